@@ -1,0 +1,28 @@
+"""Bulletin: RL policy weights as lossless bit-level patches through an S3-compatible bucket.
+
+Trainer side: :class:`Publisher`. Rollout side: :class:`Subscriber`. Both are imported
+lazily so that ``import bulletin.errors`` (used by the pure codecs) stays cheap.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+__all__ = ["Publisher", "Subscriber", "__version__"]
+
+if TYPE_CHECKING:
+    from bulletin.publisher import Publisher
+    from bulletin.subscriber import Subscriber
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Publisher":
+        from bulletin.publisher import Publisher
+
+        return Publisher
+    if name == "Subscriber":
+        from bulletin.subscriber import Subscriber
+
+        return Subscriber
+    raise AttributeError(f"module 'bulletin' has no attribute {name!r}")

@@ -1,0 +1,1 @@
+"""CuPy raw kernels and their NumPy twins (same signatures, same bits)."""

@@ -1,0 +1,99 @@
+"""Per-tensor fingerprints that a patch can update in O(changed elements).
+
+A fingerprint is the sum, modulo 2**64, of one 64-bit hash per element::
+
+    fp(bits) = sum_i H(i, bits[i])  mod 2**64
+    H(i, b)  = mix64((i * K_INDEX  mod 2**64) XOR b)
+
+where ``mix64`` is the splitmix64 finaliser (a bijection on 64-bit words) and ``b`` is
+the element's bits zero-extended to 64 bits. Because the sum is over elements, an
+apply that changes elements ``I`` from ``old`` to ``new`` moves the fingerprint by
+``sum_{i in I} H(i, new[i]) - H(i, old[i])``: no pass over the whole tensor. Because
+``mix64`` is a bijection and the XOR with a fixed index word is too, a single wrong
+element always changes the fingerprint; several wrong elements cancel only by a
+2**-64 accident. It is an integrity check against bugs, crashes and wrong bases,
+not against an adversary: shard and keyframe bytes are covered by SHA-256.
+
+The exact definition is normative (docs/FORMAT.md) and the CUDA kernels compute it
+bit for bit (kernels/fingerprint.cu).
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import numpy as np
+from numpy.typing import NDArray
+
+__all__ = [
+    "CHUNK_ELEMENTS",
+    "K_INDEX",
+    "element_hashes",
+    "fingerprint",
+    "fingerprint_delta",
+    "format_fingerprint",
+    "parse_fingerprint",
+]
+
+K_INDEX: Final = 0x9E3779B97F4A7C15
+M1: Final = 0xBF58476D1CE4E5B9
+M2: Final = 0x94D049BB133111EB
+
+#: Elements hashed per step of a full fingerprint: bounds temporaries to ~4 x 8 MiB.
+CHUNK_ELEMENTS: Final = 1 << 20
+
+_U64 = np.uint64
+
+
+def element_hashes(indices: NDArray[np.integer], bits: NDArray[np.unsignedinteger]) -> NDArray[np.uint64]:
+    """``H(i, b)`` for each pair; ``indices`` and ``bits`` have equal length."""
+    with np.errstate(over="ignore"):
+        x = indices.astype(_U64, copy=False) * _U64(K_INDEX)
+        x ^= bits.astype(_U64, copy=False)
+        x ^= x >> _U64(30)
+        x *= _U64(M1)
+        x ^= x >> _U64(27)
+        x *= _U64(M2)
+        x ^= x >> _U64(31)
+    return x
+
+
+def _sum64(h: NDArray[np.uint64]) -> int:
+    # NumPy's uint64 sum wraps modulo 2**64, which is exactly the group we sum in.
+    return int(h.sum(dtype=_U64))
+
+
+def fingerprint(bits: NDArray[np.unsignedinteger]) -> int:
+    """Full fingerprint of a tensor's bits (any shape, C order), as an int in [0, 2**64)."""
+    flat = bits.reshape(-1)
+    total = 0
+    for start in range(0, flat.size, CHUNK_ELEMENTS):
+        chunk = flat[start : start + CHUNK_ELEMENTS]
+        idx = np.arange(start, start + chunk.size, dtype=_U64)
+        total = (total + _sum64(element_hashes(idx, chunk))) & 0xFFFFFFFFFFFFFFFF
+    return total
+
+
+def fingerprint_delta(
+    indices: NDArray[np.integer],
+    old: NDArray[np.unsignedinteger],
+    new: NDArray[np.unsignedinteger],
+) -> int:
+    """What to add (mod 2**64) to a fingerprint when ``old`` becomes ``new`` at ``indices``."""
+    if indices.size == 0:
+        return 0
+    gained = _sum64(element_hashes(indices, new))
+    lost = _sum64(element_hashes(indices, old))
+    return (gained - lost) & 0xFFFFFFFFFFFFFFFF
+
+
+def format_fingerprint(fp: int) -> str:
+    """The wire form: 16 lowercase hex digits."""
+    return f"{fp:016x}"
+
+
+def parse_fingerprint(text: str) -> int:
+    """Inverse of :func:`format_fingerprint`; raises ``ValueError`` on anything else."""
+    if len(text) != 16 or any(c not in "0123456789abcdef" for c in text):
+        raise ValueError(f"fingerprint must be 16 lowercase hex digits, got {text!r}")
+    return int(text, 16)

@@ -1,0 +1,35 @@
+"""Validation of tensor names, which end up in JSON documents and file listings."""
+
+from __future__ import annotations
+
+from typing import Final
+
+from bulletin.errors import InvalidTensorName
+
+__all__ = ["MAX_NAME_BYTES", "check_tensor_name"]
+
+MAX_NAME_BYTES: Final = 1024
+
+
+def check_tensor_name(name: object) -> str:
+    """Return ``name`` if it is a safe tensor name, else raise ``InvalidTensorName``.
+
+    Names are dotted module paths (``model.layers.0.mlp.up_proj.weight``). Path
+    separators, parent references, control characters and NUL are refused because
+    tools that materialise tensors as files would otherwise escape their folder.
+    """
+    if not isinstance(name, str) or not name:
+        raise InvalidTensorName(f"tensor name must be a non-empty string, got {name!r}")
+    if len(name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
+        raise InvalidTensorName(f"tensor name longer than {MAX_NAME_BYTES} bytes: {name[:64]!r}...")
+    if "/" in name or "\\" in name:
+        raise InvalidTensorName(f"tensor name must not contain a path separator: {name!r}")
+    if name in {".", ".."} or name.startswith("..") or name.startswith("__"):
+        raise InvalidTensorName(f"tensor name is reserved or path-like: {name!r}")
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in name):
+        raise InvalidTensorName(f"tensor name contains a control character: {name!r}")
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidTensorName(f"tensor name is not valid UTF-8: {name!r}") from None
+    return name

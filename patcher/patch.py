@@ -1,0 +1,145 @@
+"""The in-memory form of a patch: what encode consumes and decode produces.
+
+A patch turns one version's tensors into the next one's. Both versions MUST have the
+same tensors (names, dtypes, shapes); a layout change is published as a keyframe.
+For each tensor a patch holds the sorted flat indices of the elements whose bits
+changed and, for each, ``delta = (new - old) mod 2**(8 * width)`` of the bits read
+as unsigned integers. Deltas compose by addition, so k consecutive patches fold into
+one without their bases, and an element whose net change is zero drops out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from math import prod
+
+import numpy as np
+from numpy.typing import NDArray
+
+from bulletin.errors import IncompatibleTensors, InvalidInput
+from patcher.dtypes import bits_dtype, dtype_width
+from patcher.names import check_tensor_name
+
+__all__ = ["Patch", "TensorDelta", "TensorSpec"]
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """Name, safetensors dtype and shape of one tensor."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        check_tensor_name(self.name)
+        dtype_width(self.dtype)
+        if not isinstance(self.shape, tuple) or any(
+            not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in self.shape
+        ):
+            raise InvalidInput(f"{self.name}: shape must be a tuple of non-negative ints")
+
+    @property
+    def numel(self) -> int:
+        return prod(self.shape)
+
+    @property
+    def width(self) -> int:
+        return dtype_width(self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.width
+
+    @property
+    def bits_dtype(self) -> np.dtype[np.unsignedinteger]:
+        return bits_dtype(self.dtype)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class TensorDelta:
+    """The change of one tensor: sorted unique indices and wrapping bit deltas.
+
+    ``indices`` is int64, strictly increasing, within ``[0, spec.numel)``; ``delta``
+    has the spec's bits dtype, the same length, and no zeros. ``base_fingerprint`` and
+    ``target_fingerprint`` are the fingerprints (patcher.fingerprint) of the whole
+    tensor before and after; they are equal for an unchanged tensor.
+    """
+
+    spec: TensorSpec
+    indices: NDArray[np.int64]
+    delta: NDArray[np.unsignedinteger]
+    base_fingerprint: int
+    target_fingerprint: int
+
+    @property
+    def changed(self) -> int:
+        return int(self.indices.size)
+
+    def validate(self) -> None:
+        """Check every invariant above; raises ``InvalidInput``."""
+        n = self.spec.numel
+        idx, dl = self.indices, self.delta
+        if idx.dtype != np.int64 or idx.ndim != 1:
+            raise InvalidInput(f"{self.spec.name}: indices must be a 1-d int64 array")
+        if dl.dtype != self.spec.bits_dtype or dl.shape != idx.shape:
+            raise InvalidInput(f"{self.spec.name}: delta must match indices and the dtype's width")
+        if idx.size:
+            if idx[0] < 0 or idx[-1] >= n:
+                raise InvalidInput(f"{self.spec.name}: index out of range [0, {n})")
+            if idx.size > 1 and not bool(np.all(idx[1:] > idx[:-1])):
+                raise InvalidInput(f"{self.spec.name}: indices must be strictly increasing")
+            if not bool(np.all(dl != 0)):
+                raise InvalidInput(f"{self.spec.name}: a zero delta is not a change")
+        for fp in (self.base_fingerprint, self.target_fingerprint):
+            if not 0 <= fp < 1 << 64:
+                raise InvalidInput(f"{self.spec.name}: fingerprint out of range")
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Patch:
+    """Every tensor of a version, each with its delta (empty when unchanged)."""
+
+    tensors: Mapping[str, TensorDelta]
+
+    def __post_init__(self) -> None:
+        for name, td in self.tensors.items():
+            if name != td.spec.name:
+                raise InvalidInput(f"patch key {name!r} names tensor {td.spec.name!r}")
+
+    def __iter__(self) -> Iterator[TensorDelta]:
+        return iter(self.tensors.values())
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    @property
+    def specs(self) -> dict[str, TensorSpec]:
+        return {name: td.spec for name, td in self.tensors.items()}
+
+    @property
+    def changed_elements(self) -> int:
+        return sum(td.changed for td in self)
+
+    @property
+    def total_elements(self) -> int:
+        return sum(td.spec.numel for td in self)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(td.spec.nbytes for td in self)
+
+    def check_layout(self, specs: Mapping[str, TensorSpec]) -> None:
+        """Raise ``IncompatibleTensors`` unless ``specs`` is exactly this patch's layout."""
+        mine = self.specs
+        if mine.keys() != specs.keys():
+            missing = sorted(mine.keys() - specs.keys())[:5]
+            extra = sorted(specs.keys() - mine.keys())[:5]
+            raise IncompatibleTensors(f"tensor sets differ: missing {missing}, unexpected {extra}")
+        for name, spec in specs.items():
+            if spec != mine[name]:
+                raise IncompatibleTensors(
+                    f"{name}: patch has {mine[name].dtype}{list(mine[name].shape)}, "
+                    f"target has {spec.dtype}{list(spec.shape)}"
+                )

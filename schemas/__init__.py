@@ -1,0 +1,1 @@
+"""Frozen, versioned pydantic models of every JSON document Bulletin writes."""
