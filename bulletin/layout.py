@@ -1,0 +1,80 @@
+"""Where a run's objects live inside a bucket (FORMAT.md, "Key layout").
+
+::
+
+    <run>/head.json                                    the only mutable object
+    <run>/manifests/<version:020d>.json                 one per committed version
+    <run>/patches/<version:020d>/<sha256>.bpatch        shards of the transition version-1 -> version
+    <run>/keyframes/<version:020d>-<writer>/<file>      safetensors files (+ HF index) of a keyframe
+
+Versions are zero-padded so that a lexicographic listing is a numeric one. Patch
+shards are named by their content digest and keyframes by their writer, so two
+trainers racing for the same version never write the same key with different
+bytes: the loser's objects are orphans that ``gc`` removes.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Final
+
+from bulletin.errors import ConfigError, FormatError
+
+__all__ = [
+    "HEAD",
+    "MANIFESTS",
+    "check_run_name",
+    "keyframe_prefix",
+    "manifest_key",
+    "parse_manifest_key",
+    "patch_shard_key",
+    "run_root",
+    "version_of_data_key",
+]
+
+HEAD: Final = "head.json"
+MANIFESTS: Final = "manifests/"
+PATCHES: Final = "patches/"
+KEYFRAMES: Final = "keyframes/"
+_RUN_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_MANIFEST_RE: Final = re.compile(r"^manifests/(\d{20})\.json$")
+_DATA_RE: Final = re.compile(r"^(?:patches|keyframes)/(\d{20})(?:-[0-9a-f]+)?/")
+
+
+def check_run_name(run: str) -> str:
+    """Run names are one path segment: letters, digits, ``.``, ``_``, ``-``; 1-128 long."""
+    if not isinstance(run, str) or not _RUN_RE.match(run):
+        raise ConfigError(
+            f"invalid run name {run!r}: use 1-128 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
+    return run
+
+
+def run_root(run: str) -> str:
+    return f"{check_run_name(run)}/"
+
+
+def manifest_key(version: int) -> str:
+    return f"{MANIFESTS}{version:020d}.json"
+
+
+def parse_manifest_key(relative_key: str) -> int:
+    match = _MANIFEST_RE.match(relative_key)
+    if match is None:
+        raise FormatError(f"not a manifest key: {relative_key!r}")
+    return int(match.group(1))
+
+
+def patch_shard_key(version: int, sha256: str) -> str:
+    return f"{PATCHES}{version:020d}/{sha256}.bpatch"
+
+
+def keyframe_prefix(version: int, writer: str) -> str:
+    return f"{KEYFRAMES}{version:020d}-{writer}"
+
+
+def version_of_data_key(relative_key: str) -> int | None:
+    """The version a patch or keyframe object belongs to, or None for other keys."""
+    match = _DATA_RE.match(relative_key)
+    return int(match.group(1)) if match else None

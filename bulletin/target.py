@@ -1,0 +1,341 @@
+"""What a Subscriber applies versions to: local files, host arrays, or a live engine.
+
+A target holds one bits array per served tensor. The Subscriber checks every byte
+it got (digests, decoding, fingerprint chain) *before* calling the target, so a
+target only ever sees well-formed patches; it still checks base fingerprints and
+verifies the result, and restores what it held when anything fails.
+
+Protocol, in the order a Subscriber calls it::
+
+    restored()                  -> (version, fingerprints) it holds verified, or None
+    load_full(tensors, specs)   replace everything (fresh node, keyframe)
+    apply(patch, fingerprints)  -> new fingerprints; in place; restores on failure
+    activate(version)           make it live and durable (engine reload, state file)
+
+Until ``activate`` the previous version is still the one reported as current.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+from numpy.typing import NDArray
+from pydantic import ValidationError
+
+from bulletin.checkpoint import Checkpoint, write_checkpoint
+from bulletin.errors import (
+    ConfigError,
+    FormatError,
+    IncompatibleTensors,
+    InvalidInput,
+)
+from patcher.apply import apply as apply_patch
+from patcher.fingerprint import fingerprint, format_fingerprint, parse_fingerprint
+from patcher.patch import Patch, TensorSpec
+from schemas.local_state import JournalV1, LocalStateV1
+
+__all__ = ["ArrayTarget", "LocalDirTarget", "WeightTarget"]
+
+Bits = NDArray[np.unsignedinteger]
+
+
+@runtime_checkable
+class WeightTarget(Protocol):
+    """Where versions land. Implementations: ArrayTarget, LocalDirTarget, engine adapters."""
+
+    def layout(self) -> Mapping[str, TensorSpec] | None:
+        """Served tensor name -> spec, or None while nothing is held."""
+        ...
+
+    def restored(self) -> tuple[int, dict[str, int]] | None:
+        """Version and fingerprints held verified since before this process (None if none)."""
+        ...
+
+    def load_full(self, tensors: Mapping[str, Bits], specs: Mapping[str, TensorSpec]) -> None:
+        """Replace every tensor's bits (arrays of the specs' bits dtypes)."""
+        ...
+
+    def apply(self, patch: Patch, fingerprints: Mapping[str, int]) -> dict[str, int]:
+        """Apply in place; ``WrongBase`` / ``VerificationFailed`` leave the old bits intact."""
+        ...
+
+    def full_fingerprints(self) -> dict[str, int]:
+        """Recompute every tensor's fingerprint from the bits held."""
+        ...
+
+    def activate(self, version: int) -> None:
+        """Make what was loaded or applied live and durable as ``version``."""
+        ...
+
+
+def _check_full(tensors: Mapping[str, Bits], specs: Mapping[str, TensorSpec]) -> None:
+    if tensors.keys() != specs.keys():
+        raise IncompatibleTensors("tensors and specs name different tensors")
+    for name, spec in specs.items():
+        array = tensors[name]
+        if array.dtype != spec.bits_dtype or array.size != spec.numel:
+            raise IncompatibleTensors(f"{name}: expected {spec.numel} x {spec.bits_dtype}")
+
+
+class ArrayTarget:
+    """Bits held in host memory (NumPy): the publisher's resume path, verify, tests."""
+
+    def __init__(self) -> None:
+        self.specs: dict[str, TensorSpec] | None = None
+        self.arrays: dict[str, Bits] = {}
+        self.version: int | None = None
+
+    def layout(self) -> Mapping[str, TensorSpec] | None:
+        return self.specs
+
+    def restored(self) -> tuple[int, dict[str, int]] | None:
+        return None
+
+    def load_full(self, tensors: Mapping[str, Bits], specs: Mapping[str, TensorSpec]) -> None:
+        _check_full(tensors, specs)
+        self.arrays = {n: np.array(tensors[n], copy=True).reshape(specs[n].shape) for n in specs}
+        self.specs = dict(specs)
+
+    def apply(self, patch: Patch, fingerprints: Mapping[str, int]) -> dict[str, int]:
+        if self.specs is None:
+            raise InvalidInput("nothing is held yet: load a keyframe first")
+        patch.check_layout(self.specs)
+        return apply_patch(patch, self.arrays, fingerprints)
+
+    def full_fingerprints(self) -> dict[str, int]:
+        return {name: fingerprint(bits) for name, bits in self.arrays.items()}
+
+    def activate(self, version: int) -> None:
+        self.version = version
+
+
+def _write_json_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class LocalDirTarget:
+    """A directory holding the current version as plain safetensors, changed atomically.
+
+    Layout::
+
+        state.json        LocalStateV1: version, fingerprints, which model folder
+        current ->        symlink to the model folder (point engines here)
+        model-<id>/       model.safetensors (+ HF index when split)
+        journal.json/.npz present only while an in-place apply runs (undo data)
+
+    An apply writes the old bits of every element it will change to the journal
+    (fsynced) before touching the files, and the state file names the new version
+    only after the files are flushed. Opening the directory after a crash restores
+    from the journal, so the folder always holds exactly the version ``state.json``
+    names. A keyframe is written to a fresh folder and switched to by replacing
+    ``state.json``; leftover folders are removed at the next open.
+    """
+
+    STATE = "state.json"
+    JOURNAL = "journal.json"
+    UNDO = "journal.npz"
+    CURRENT = "current"
+
+    def __init__(self, directory: str | os.PathLike[str], *, run: str | None = None) -> None:
+        self.dir = Path(directory)
+        self.run = run
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._state = self._read_state()
+        self._checkpoint: Checkpoint | None = None
+        self._pending: tuple[str, Checkpoint] | None = None
+        self._pending_fps: dict[str, int] | None = None
+        self._recover()
+        if self._state is not None:
+            self._checkpoint = Checkpoint(self.dir / self._state.model_dir, writable=True)
+
+    # -- state ---------------------------------------------------------------------------
+
+    def _read_state(self) -> LocalStateV1 | None:
+        path = self.dir / self.STATE
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        try:
+            state = LocalStateV1.model_validate_json(data)
+        except ValidationError as exc:
+            raise FormatError(f"{path}: unreadable local state: {exc.errors()[0]['msg']}") from exc
+        if self.run is not None and state.run is not None and state.run != self.run:
+            raise ConfigError(f"{self.dir} holds run {state.run!r}, not {self.run!r}")
+        return state
+
+    def _recover(self) -> None:
+        journal_path = self.dir / self.JOURNAL
+        if journal_path.exists():
+            journal = JournalV1.model_validate_json(journal_path.read_bytes())
+            if (
+                self._state is not None
+                and journal.model_dir == self._state.model_dir
+                and journal.from_version == self._state.version
+            ):
+                self._undo(journal)  # the apply never committed: put the old bits back
+            (self.dir / self.UNDO).unlink(missing_ok=True)
+            journal_path.unlink()
+        keep = {self._state.model_dir} if self._state else set()
+        for entry in self.dir.iterdir():
+            if entry.name.startswith("model-") and entry.name not in keep and entry.is_dir():
+                shutil.rmtree(entry)
+
+    def _undo(self, journal: JournalV1) -> None:
+        undo_path = self.dir / self.UNDO
+        if not undo_path.exists():  # crashed before the undo data was durable: nothing changed
+            return
+        with (
+            Checkpoint(self.dir / journal.model_dir, writable=True) as ckpt,
+            np.load(undo_path, allow_pickle=False) as undo,
+        ):
+            names = json.loads(bytes(undo["names"]).decode())
+            for k, name in enumerate(names):
+                flat = ckpt.bits(name).reshape(-1)
+                flat[undo[f"i{k}"]] = undo[f"o{k}"]
+            ckpt.flush()
+
+    def layout(self) -> Mapping[str, TensorSpec] | None:
+        return self._checkpoint.specs if self._checkpoint is not None else None
+
+    def restored(self) -> tuple[int, dict[str, int]] | None:
+        if self._state is None:
+            return None
+        return self._state.version, {n: parse_fingerprint(f) for n, f in self._state.fingerprints.items()}
+
+    @property
+    def model_path(self) -> Path | None:
+        """The folder an engine should load (stable symlink ``current``)."""
+        return self.dir / self.CURRENT if self._state is not None else None
+
+    # -- changes -------------------------------------------------------------------------
+
+    def load_full(self, tensors: Mapping[str, Bits], specs: Mapping[str, TensorSpec]) -> None:
+        _check_full(tensors, specs)
+        self._discard_pending()
+        name = f"model-{secrets.token_hex(6)}"
+        write_checkpoint(self.dir / name, specs, tensors)
+        self._pending = (name, Checkpoint(self.dir / name, writable=True))
+        self._pending_fps = None
+
+    def _working(self) -> tuple[str, Checkpoint]:
+        if self._pending is not None:
+            return self._pending
+        if self._state is None or self._checkpoint is None:
+            raise InvalidInput("nothing is held yet: load a keyframe first")
+        return self._state.model_dir, self._checkpoint
+
+    def apply(self, patch: Patch, fingerprints: Mapping[str, int]) -> dict[str, int]:
+        model_dir, ckpt = self._working()
+        patch.check_layout(ckpt.specs)
+        in_place = self._state is not None and model_dir == self._state.model_dir
+        if in_place and self._state is not None:
+            self._write_journal(patch, ckpt, JournalV1(model_dir=model_dir, from_version=self._state.version))
+        arrays = {name: ckpt.bits(name) for name in ckpt.specs}
+        try:
+            new_fps = apply_patch(patch, arrays, fingerprints)  # restores in memory on failure
+            ckpt.flush()
+        except BaseException:
+            if in_place:
+                self.abort()
+            raise
+        self._pending = (model_dir, ckpt)
+        self._pending_fps = new_fps
+        return new_fps
+
+    def _write_journal(self, patch: Patch, ckpt: Checkpoint, journal: JournalV1) -> None:
+        """Old bits of every element the patch changes, durable before any change."""
+        changed = [td for td in patch if td.changed]
+        names = json.dumps([td.spec.name for td in changed]).encode()
+        undo: dict[str, Any] = {"names": np.frombuffer(names, np.uint8)}
+        for k, td in enumerate(changed):
+            undo[f"i{k}"] = td.indices
+            undo[f"o{k}"] = ckpt.bits(td.spec.name).reshape(-1)[td.indices]
+        tmp = self.dir / f".{self.UNDO}.tmp"
+        with open(tmp, "wb") as fh:
+            np.savez(fh, **undo)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, self.dir / self.UNDO)
+        _write_json_atomic(self.dir / self.JOURNAL, journal.model_dump_json().encode())
+
+    def full_fingerprints(self) -> dict[str, int]:
+        if self._pending is None and self._checkpoint is None:
+            return {}
+        _, ckpt = self._working()
+        return {name: fingerprint(ckpt.bits(name)) for name in ckpt.specs}
+
+    def activate(self, version: int) -> None:
+        if self._pending is None:
+            raise InvalidInput("nothing to activate: load or apply first")
+        model_dir, ckpt = self._pending
+        fps = self._pending_fps
+        if fps is None:
+            fps = {name: fingerprint(ckpt.bits(name)) for name in ckpt.specs}
+        state = LocalStateV1(
+            run=self.run,
+            version=version,
+            model_dir=model_dir,
+            fingerprints={n: format_fingerprint(fp) for n, fp in sorted(fps.items())},
+            updated_at=datetime.now(UTC),
+        )
+        # The commit point of the local copy: from here on the folder is `version`.
+        _write_json_atomic(self.dir / self.STATE, state.model_dump_json().encode())
+        link_tmp = self.dir / f".{self.CURRENT}.tmp"
+        link_tmp.unlink(missing_ok=True)
+        link_tmp.symlink_to(model_dir)
+        os.replace(link_tmp, self.dir / self.CURRENT)
+        old = self._state.model_dir if self._state else None
+        self._state = state
+        if self._checkpoint is not None and self._checkpoint is not ckpt:
+            self._checkpoint.close()
+        self._checkpoint = ckpt
+        self._pending = None
+        self._pending_fps = None
+        (self.dir / self.UNDO).unlink(missing_ok=True)
+        (self.dir / self.JOURNAL).unlink(missing_ok=True)
+        if old is not None and old != model_dir:
+            shutil.rmtree(self.dir / old, ignore_errors=True)
+
+    def _discard_pending(self) -> None:
+        if self._pending is not None:
+            name, ckpt = self._pending
+            if self._state is None or name != self._state.model_dir:
+                ckpt.close()
+                shutil.rmtree(self.dir / name, ignore_errors=True)
+        self._pending = None
+        self._pending_fps = None
+
+    def abort(self) -> None:
+        """Drop a load or apply that will not be activated, restoring what was held."""
+        journal_path = self.dir / self.JOURNAL
+        if journal_path.exists():
+            journal = JournalV1.model_validate_json(journal_path.read_bytes())
+            if self._state is not None and journal.model_dir == self._state.model_dir:
+                self._undo(journal)
+        (self.dir / self.UNDO).unlink(missing_ok=True)
+        journal_path.unlink(missing_ok=True)
+        self._discard_pending()
+
+    def close(self) -> None:
+        if self._checkpoint is not None:
+            self._checkpoint.close()
+            self._checkpoint = None

@@ -1,0 +1,132 @@
+"""The manifest: the document whose creation commits a version (FORMAT.md, "Manifests")."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from schemas.common import (
+    Document,
+    Fingerprint,
+    RelativeKey,
+    RunName,
+    Sha256,
+    TensorName,
+    VersionNumber,
+)
+
+__all__ = ["KeyframeRef", "ManifestV1", "ObjectRef", "PatchRef", "TensorEntry", "VersionStats"]
+
+DtypeName = Literal[
+    "BOOL", "U8", "I8", "F8_E4M3", "F8_E5M2", "U16", "I16", "F16", "BF16",
+    "U32", "I32", "F32", "U64", "I64", "F64",
+]  # fmt: skip
+
+
+class TensorEntry(Document):
+    """One served tensor of the version."""
+
+    name: TensorName
+    """Tensor name as in the state dict and the safetensors files."""
+    dtype: DtypeName
+    """safetensors dtype name."""
+    shape: tuple[Annotated[int, Field(ge=0)], ...]
+    """Dimensions, outermost first."""
+    fingerprint: Fingerprint
+    """Fingerprint of the tensor's bits in this version."""
+
+
+class ObjectRef(Document):
+    """An immutable object in the bucket and what its bytes must hash to."""
+
+    key: RelativeKey
+    """Key relative to the run's root."""
+    size: Annotated[int, Field(ge=0)]
+    """Exact size in bytes."""
+    sha256: Sha256
+    """SHA-256 of the object's bytes."""
+
+
+class PatchRef(Document):
+    """The transition from the parent version to this one."""
+
+    codec: Literal["zstd", "lz4"]
+    """Entropy coder of the shards' streams (also recorded in each shard's header)."""
+    shards: tuple[ObjectRef, ...]
+    """Every shard of the patch, in shard order."""
+    changed_elements: Annotated[int, Field(ge=0)]
+    """Elements whose bits differ from the parent version."""
+
+
+class KeyframeRef(Document):
+    """The whole version as a plain safetensors checkpoint (HF-style when split)."""
+
+    prefix: RelativeKey
+    """Folder (relative to the run's root) holding the files; loadable as a checkpoint."""
+    files: tuple[ObjectRef, ...]
+    """The safetensors files and, when split, ``model.safetensors.index.json``."""
+
+
+class VersionStats(Document):
+    """Figures for logs and dashboards; not needed to reconstruct anything."""
+
+    total_elements: Annotated[int, Field(ge=0)]
+    total_bytes: Annotated[int, Field(ge=0)]
+    """Dense size of the served tensors."""
+    patch_bytes: Annotated[int, Field(ge=0)]
+    """Bytes of all patch shards (0 without a patch)."""
+    keyframe_bytes: Annotated[int, Field(ge=0)]
+    """Bytes of all keyframe files (0 without a keyframe)."""
+
+
+class ManifestV1(Document):
+    """Commits version ``version`` of run ``run``. Immutable once created."""
+
+    format: Literal["bulletin.manifest"] = "bulletin.manifest"
+    """Document type."""
+    spec_version: Literal[1] = 1
+    """Format version of this document."""
+    run: RunName
+    version: VersionNumber
+    parent_version: VersionNumber | None
+    """``version - 1``, or null for the first version of the run."""
+    parent_digest: Sha256 | None
+    """SHA-256 of the parent manifest's exact bytes: the hash chain. Null iff no parent."""
+    created_at: datetime
+    """UTC time the trainer committed the version."""
+    writer: Annotated[str, Field(pattern=r"^[0-9a-f]{8,64}$")]
+    """Random id of the trainer process that wrote it."""
+    tensors: tuple[TensorEntry, ...]
+    """Every served tensor, sorted by name."""
+    patch: PatchRef | None
+    """Transition from the parent; null for the first version or a layout change."""
+    keyframe: KeyframeRef | None
+    """Full copy of this version; required when there is no patch."""
+    stats: VersionStats
+    metadata: dict[Annotated[str, Field(max_length=256)], Annotated[str, Field(max_length=4096)]] = Field(
+        default_factory=dict, max_length=256
+    )
+    """Free-form trainer annotations (step, loss, ...)."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ManifestV1:
+        if (self.parent_version is None) != (self.parent_digest is None):
+            raise ValueError("parent_version and parent_digest are both set or both null")
+        if self.parent_version is None and self.version != 1:
+            raise ValueError("only version 1 may lack a parent")
+        if self.parent_version is not None and self.parent_version != self.version - 1:
+            raise ValueError("parent_version must be version - 1")
+        if self.patch is None and self.keyframe is None:
+            raise ValueError("a version needs a patch, a keyframe, or both")
+        if self.patch is not None and self.parent_version is None:
+            raise ValueError("a patch needs a parent version")
+        names = [t.name for t in self.tensors]
+        if names != sorted(names) or len(set(names)) != len(names):
+            raise ValueError("tensors must be sorted by name and unique")
+        return self
+
+
+#: Every manifest version a reader understands, by its ``spec_version``.
+Manifest = Annotated[ManifestV1, Field(discriminator="spec_version")]
