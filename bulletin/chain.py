@@ -109,9 +109,7 @@ def verify_object(ref: ObjectRef, data: bytes) -> None:
         raise DigestMismatch(f"{ref.key}: {len(data)} bytes, the manifest promises {ref.size}")
     digest = sha256_hex(data)
     if digest != ref.sha256:
-        raise DigestMismatch(
-            f"{ref.key}: sha256 {digest[:16]}..., the manifest promises {ref.sha256[:16]}..."
-        )
+        raise DigestMismatch(f"{ref.key}: sha256 {digest[:16]}..., the manifest promises {ref.sha256[:16]}...")
 
 
 class Board:
@@ -241,9 +239,7 @@ class Board:
                 if existing != absolute[key]:
                     raise Conflict(f"{key}: exists with other content")
 
-    def download(
-        self, refs: Sequence[ObjectRef], on_bytes: Callable[[int], None] | None = None
-    ) -> list[bytes]:
+    def download(self, refs: Sequence[ObjectRef], on_bytes: Callable[[int], None] | None = None) -> list[bytes]:
         """Fetch objects in parallel and verify each against its size and SHA-256."""
         keys = [self.key(ref.key) for ref in refs]
         try:

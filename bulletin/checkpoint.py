@@ -103,8 +103,7 @@ def parse_safetensors_header(prefix: bytes, file_size: int, *, source: str = "<b
         spec = TensorSpec(name, info["dtype"], tuple(shape))  # names and dtypes checked here
         if offs[1] - offs[0] != spec.nbytes:
             raise FormatError(
-                f"{source}: tensor {name!r} occupies {offs[1] - offs[0]} bytes, "
-                f"its dtype and shape need {spec.nbytes}"
+                f"{source}: tensor {name!r} occupies {offs[1] - offs[0]} bytes, its dtype and shape need {spec.nbytes}"
             )
         specs[name] = spec
         offsets[name] = (offs[0], offs[1])
@@ -165,9 +164,7 @@ class _MappedFile:
         finally:
             os.close(fd)
         self._buffer: NDArray[np.uint8] = (
-            np.frombuffer(self._mmap, dtype=np.uint8)
-            if self._mmap is not None
-            else np.zeros(0, dtype=np.uint8)
+            np.frombuffer(self._mmap, dtype=np.uint8) if self._mmap is not None else np.zeros(0, dtype=np.uint8)
         )
         if not writable:
             self._buffer.flags.writeable = False
@@ -278,9 +275,7 @@ class Checkpoint:
         self.close()
 
 
-def plan_checkpoint(
-    specs: Mapping[str, TensorSpec], max_shard_bytes: int
-) -> list[tuple[str, list[TensorSpec]]]:
+def plan_checkpoint(specs: Mapping[str, TensorSpec], max_shard_bytes: int) -> list[tuple[str, list[TensorSpec]]]:
     """Split tensors (in name order) into HF-style file names and their contents."""
     shards: list[list[TensorSpec]] = [[]]
     size = 0
@@ -357,9 +352,7 @@ def write_checkpoint(
     written: list[Path] = []
     for file_name, shard in plan:
         header, _ = encode_safetensors_header(shard, {"format": "pt", **(metadata or {})})
-        written.append(
-            _write_atomic(out / file_name, [header, *(_tensor_bytes(tensors[s.name], s) for s in shard)])
-        )
+        written.append(_write_atomic(out / file_name, [header, *(_tensor_bytes(tensors[s.name], s) for s in shard)]))
     if len(plan) > 1:
         written.append(_write_atomic(out / INDEX_NAME, [hf_index(plan)]))
     _fsync_dir(out)

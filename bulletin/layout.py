@@ -45,8 +45,7 @@ def check_run_name(run: str) -> str:
     """Run names are one path segment: letters, digits, ``.``, ``_``, ``-``; 1-128 long."""
     if not isinstance(run, str) or not _RUN_RE.match(run):
         raise ConfigError(
-            f"invalid run name {run!r}: use 1-128 letters, digits, '.', '_' or '-', "
-            "starting with a letter or digit"
+            f"invalid run name {run!r}: use 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit"
         )
     return run
 

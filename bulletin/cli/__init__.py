@@ -1,0 +1,113 @@
+"""The ``bulletin`` command. Thin: the library does the work.
+
+Errors from the library become one line on stderr (``error: <code>: <message>``)
+and an exit status per kind of error; ``--json`` commands print the error as JSON
+on stdout instead. ``BULLETIN_DEBUG=1`` brings tracebacks back.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Final
+
+import click
+
+from bulletin import __version__
+from bulletin.cli.board import (
+    gc_command,
+    log_command,
+    publish_command,
+    status_command,
+    sync_command,
+    verify_command,
+)
+from bulletin.cli.demo import demo_command
+from bulletin.cli.offline import apply_command, diff_command, inspect_command
+from bulletin.cli.output import emit_error
+from bulletin.errors import (
+    BulletinError,
+    Conflict,
+    CorruptData,
+    InvalidInput,
+    NotFound,
+    StorageUnavailable,
+    WrongBase,
+)
+
+__all__ = ["EXIT_CODES", "cli", "main"]
+
+#: Exit status by what the caller does about it (most specific first).
+EXIT_CODES: Final[tuple[tuple[type[BulletinError], int], ...]] = (
+    (InvalidInput, 2),
+    (NotFound, 3),
+    (Conflict, 4),
+    (CorruptData, 5),
+    (WrongBase, 6),
+    (StorageUnavailable, 7),
+    (BulletinError, 1),
+)
+
+
+def exit_code(exc: BulletinError) -> int:
+    return next(code for kind, code in EXIT_CODES if isinstance(exc, kind))
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="bulletin")
+def cli() -> None:
+    """Ship RL policy weights as lossless bit-level patches through an S3-compatible bucket.
+
+    --store takes a local directory (a bare path or file://), s3://bucket/prefix
+    (the standard AWS_* environment applies, with AWS_ENDPOINT_URL_S3 for MinIO or
+    LocalStack) or memory://name; it defaults to $BULLETIN_STORE.
+    """
+
+
+for command in (
+    diff_command,
+    apply_command,
+    inspect_command,
+    publish_command,
+    sync_command,
+    log_command,
+    status_command,
+    verify_command,
+    gc_command,
+    demo_command,
+):
+    cli.add_command(command)
+
+try:  # the sidecar needs aiohttp, a core dependency, but keep the CLI usable without it
+    from bulletin.sidecar.cli import serve as serve_command
+except ImportError:  # pragma: no cover - only when the sidecar package is absent
+    serve_command = None
+if serve_command is not None:
+    cli.add_command(serve_command)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point; returns the exit status."""
+    try:
+        cli.main(args=argv, prog_name="bulletin", standalone_mode=False)
+    except BulletinError as exc:
+        if os.environ.get("BULLETIN_DEBUG"):
+            raise
+        emit_error(exc)
+        return exit_code(exc)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        return 130
+    except click.ClickException as exc:
+        exc.show()
+        return exc.exit_code
+    except click.exceptions.Exit as exc:
+        return exc.exit_code
+    except KeyboardInterrupt:
+        click.echo("interrupted", err=True)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

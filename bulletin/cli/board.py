@@ -1,0 +1,277 @@
+"""Commands on a run in a store: publish, sync, log, status, verify, gc."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+
+from bulletin.chain import Board
+from bulletin.cli.output import emit, human_bytes, json_option, progress_enabled
+from bulletin.maintenance import collect_garbage, log, verify
+from bulletin.publisher import Publisher
+from bulletin.storage import open_store
+from bulletin.subscriber import Subscriber
+from bulletin.target import LocalDirTarget
+
+__all__ = [
+    "gc_command",
+    "log_command",
+    "publish_command",
+    "status_command",
+    "store_options",
+    "sync_command",
+    "verify_command",
+]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def store_options(func: F) -> F:
+    """``--store`` (or $BULLETIN_STORE) and ``--run`` (or $BULLETIN_RUN)."""
+    func = click.option(
+        "--run", envvar="BULLETIN_RUN", required=True, help="Run name inside the store [env: BULLETIN_RUN]."
+    )(func)
+    return click.option(
+        "--store",
+        envvar="BULLETIN_STORE",
+        required=True,
+        help="Local directory, file://, s3://bucket/prefix or memory://name [env: BULLETIN_STORE].",
+    )(func)
+
+
+@contextmanager
+def _byte_progress(label: str) -> Iterator[Callable[[int], None] | None]:
+    """A byte counter on stderr when it is a terminal (never under --json)."""
+    if not progress_enabled():
+        yield None
+        return
+    lock = threading.Lock()
+    with click.progressbar(length=0, label=label, file=click.get_text_stream("stderr")) as bar:
+
+        def on_bytes(n: int) -> None:
+            with lock:
+                bar.length = (bar.length or 0) + n
+                bar.update(n)
+
+        yield on_bytes
+
+
+def _age(created: datetime) -> str:
+    seconds = (datetime.now(UTC) - created).total_seconds()
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+@click.command("publish")
+@click.argument("checkpoint", type=click.Path(exists=True, path_type=Path))
+@store_options
+@click.option("--keyframe-every", type=click.IntRange(min=1), default=10, show_default=True)
+@click.option("--codec", type=click.Choice(["zstd", "lz4"]), default="zstd", show_default=True)
+@click.option("--meta", multiple=True, metavar="KEY=VALUE", help="Annotation stored in the manifest.")
+@json_option
+def publish_command(
+    checkpoint: Path,
+    store: str,
+    run: str,
+    keyframe_every: int,
+    codec: str,
+    meta: tuple[str, ...],
+    as_json: bool,
+) -> None:
+    """Publish a safetensors checkpoint (file or directory) as the run's next version."""
+    from bulletin.errors import InvalidInput
+
+    metadata = {}
+    for item in meta:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise InvalidInput(f"--meta wants KEY=VALUE, got {item!r}")
+        metadata[key] = value
+    t0 = time.perf_counter()
+    with _byte_progress("uploading") as on_bytes:
+        pub = Publisher(store, run, keyframe_every=keyframe_every, codec=codec, on_bytes=on_bytes)
+        result = pub.publish_checkpoint(checkpoint, metadata=metadata)
+        pub.close()
+    data = {
+        "run": run,
+        "seconds": time.perf_counter() - t0,
+        "version": result.version,
+        "keyframe": result.keyframe,
+        "changed_elements": result.changed_elements,
+        "total_elements": result.total_elements,
+        "patch_bytes": result.patch_bytes,
+        "keyframe_bytes": result.keyframe_bytes,
+        "manifest_digest": result.manifest_digest,
+    }
+
+    def human() -> None:
+        kind = "keyframe" if result.keyframe else "patch"
+        pct = 100 * result.changed_elements / result.total_elements if result.total_elements else 0.0
+        click.echo(
+            f"{run}: published version {result.version} ({kind}; patch {human_bytes(result.patch_bytes)}, "
+            f"keyframe {human_bytes(result.keyframe_bytes)}; {pct:.3f}% changed) in {data['seconds']:.2f}s"
+        )
+
+    emit(data, human)
+
+
+@click.command("sync")
+@store_options
+@click.option("--to", "local_dir", type=click.Path(file_okay=False, path_type=Path), required=True)
+@click.option("--version", type=click.IntRange(min=1), default=None, help="Version to reach [default: newest].")
+@click.option("--follow", is_flag=True, help="Keep polling and applying new versions until interrupted.")
+@click.option("--interval", type=click.FloatRange(min=0.05), default=2.0, show_default=True)
+@json_option
+def sync_command(
+    store: str, run: str, local_dir: Path, version: int | None, follow: bool, interval: float, as_json: bool
+) -> None:
+    """Bring a local directory to a version of the run (safetensors under DIR/current)."""
+    with (
+        _byte_progress("downloading") as on_bytes,
+        Subscriber(store, run, local_dir, on_bytes=on_bytes) as sub,
+    ):
+        before = sub.current_version
+        t0 = time.perf_counter()
+        reached = sub.sync(version)
+        report = sub.stats.last_report
+        data = {
+            "run": run,
+            "from_version": before,
+            "version": reached,
+            "path": str(local_dir / LocalDirTarget.CURRENT),
+            "seconds": time.perf_counter() - t0,
+            "bytes_downloaded": report.bytes_downloaded if report else 0,
+            "keyframe": report.keyframe if report else None,
+            "transitions": report.transitions if report else 0,
+        }
+        emit(
+            data,
+            lambda: click.echo(
+                f"{run}: {before or 'nothing'} -> {reached} in {data['seconds']:.2f}s "
+                f"({human_bytes(data['bytes_downloaded'])} downloaded) at {data['path']}"
+            ),
+        )
+        if not follow:
+            return
+        for reached in sub.follow(interval=interval, on_error=lambda exc: click.echo(f"warning: {exc}", err=True)):
+            last = sub.stats.last_report
+            line = f"{run}: now at version {reached}"
+            emit(
+                {"run": run, "version": reached, "bytes_downloaded": last.bytes_downloaded if last else 0},
+                lambda line=line: click.echo(line),  # type: ignore[misc]
+            )
+
+
+@click.command("log")
+@store_options
+@click.option("--limit", type=click.IntRange(min=1), default=None, help="Newest versions shown.")
+@json_option
+def log_command(store: str, run: str, limit: int | None, as_json: bool) -> None:
+    """The run's chain, newest first: version, kind, bytes, changed %, age."""
+    entries = log(Board(open_store(store), run), limit=limit)
+
+    def human() -> None:
+        click.echo(f"{'version':>8}  {'kind':<15} {'bytes':>12} {'changed %':>10} {'age':>7}")
+        for e in entries:
+            size = e.patch_bytes + e.keyframe_bytes
+            pct = f"{100 * e.changed_fraction:.3f}" if e.changed_fraction is not None else "-"
+            click.echo(f"{e.version:>8}  {e.kind:<15} {human_bytes(size):>12} {pct:>10} {_age(e.created_at):>7}")
+
+    emit([e.__dict__ | {"changed_fraction": e.changed_fraction} for e in entries], human)
+
+
+@click.command("status")
+@store_options
+@click.option("--local", "local_dir", type=click.Path(file_okay=False, path_type=Path), default=None)
+@json_option
+def status_command(store: str, run: str, local_dir: Path | None, as_json: bool) -> None:
+    """The run's head and newest version, and a local copy's version and lag."""
+    board = Board(open_store(store), run)
+    head = board.read_head()
+    tip = board.tip()
+    data: dict[str, Any] = {
+        "run": run,
+        "store": board.store.url,
+        "head_version": head.head.version if head else None,
+        "head_updated_at": head.head.updated_at if head else None,
+        "newest_version": tip.version if tip else None,
+    }
+    if local_dir is not None:
+        restored = LocalDirTarget(local_dir, run=run).restored() if local_dir.exists() else None
+        data["local_version"] = restored[0] if restored else None
+        data["lag"] = (tip.version - restored[0]) if tip and restored else None
+
+    def human() -> None:
+        click.echo(f"run {run} in {board.store.url}")
+        click.echo(f"  head: {data['head_version'] or 'none'}  newest committed: {data['newest_version'] or 'none'}")
+        if local_dir is not None:
+            click.echo(f"  local {local_dir}: {data['local_version'] or 'empty'} (lag {data['lag']})")
+
+    emit(data, human)
+
+
+@click.command("verify")
+@store_options
+@json_option
+def verify_command(store: str, run: str, as_json: bool) -> None:
+    """Recompute the whole chain: digests, links, head, and every version's bits."""
+    report = verify(Board(open_store(store), run))
+    data = {
+        "ok": report.ok,
+        "versions": report.versions,
+        "keyframes": report.keyframes,
+        "transitions": report.transitions,
+        "bytes_read": report.bytes_read,
+        "head_version": report.head_version,
+        "problems": report.problems,
+    }
+
+    def human() -> None:
+        state = "OK" if report.ok else f"{len(report.problems)} problem(s)"
+        click.echo(
+            f"{run}: {state}: {report.versions} versions, {report.keyframes} keyframes, "
+            f"{report.transitions} transitions checked ({human_bytes(report.bytes_read)} read)"
+        )
+        for problem in report.problems:
+            click.echo(f"  - {problem}")
+
+    emit(data, human)
+    if not report.ok:
+        raise click.exceptions.Exit(5)
+
+
+@click.command("gc")
+@store_options
+@click.option("--keep", type=click.IntRange(min=1), required=True, help="Newest versions kept syncable.")
+@click.option("--dry-run", is_flag=True, help="Only list what would be deleted.")
+@click.option(
+    "--grace-minutes",
+    type=click.IntRange(min=0),
+    default=60,
+    show_default=True,
+    help="Unreferenced objects younger than this are kept (publishes in flight).",
+)
+@json_option
+def gc_command(store: str, run: str, keep: int, dry_run: bool, grace_minutes: int, as_json: bool) -> None:
+    """Delete versions older than the newest KEEP (never what a keyframe chain needs)."""
+    report = collect_garbage(
+        Board(open_store(store), run), keep=keep, dry_run=dry_run, grace=timedelta(minutes=grace_minutes)
+    )
+
+    def human() -> None:
+        verb = "would delete" if dry_run else "deleted"
+        click.echo(
+            f"{run}: kept versions {report.floor}..{report.tip}; {verb} {len(report.deleted_manifests)} "
+            f"manifests and {len(report.deleted_objects)} objects ({human_bytes(report.deleted_bytes)})"
+        )
+
+    emit(report, human)

@@ -1,0 +1,170 @@
+"""Offline commands: a bsdiff for safetensors checkpoints.
+
+``bulletin diff OLD NEW -o PATCH``, ``bulletin apply BASE PATCH -o OUT`` and
+``bulletin inspect PATCH``. A patch file is one self-describing patch shard
+(docs/FORMAT.md) holding every tensor, with the fingerprints of both checkpoints.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+import numpy as np
+
+from bulletin.checkpoint import Checkpoint, safetensors_bytes, write_checkpoint
+from bulletin.cli.output import emit, human_bytes, json_option
+from bulletin.errors import InvalidInput, WrongBase
+from patcher.apply import apply as apply_patch
+from patcher.decode import decode
+from patcher.diff import diff
+from patcher.encode import encode
+from patcher.fingerprint import fingerprint, format_fingerprint
+from patcher.patch import Patch
+
+__all__ = ["apply_command", "diff_command", "inspect_command", "patch_summary"]
+
+_ONE_SHARD = 1 << 62
+
+
+def _write_file_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def patch_summary(patch: Patch, encoded_bytes: int) -> dict[str, Any]:
+    """Per-tensor and total figures of a patch, as ``inspect --json`` prints them."""
+    tensors = [
+        {
+            "name": td.spec.name,
+            "dtype": td.spec.dtype,
+            "shape": list(td.spec.shape),
+            "changed_elements": td.changed,
+            "total_elements": td.spec.numel,
+            "base_fingerprint": format_fingerprint(td.base_fingerprint),
+            "target_fingerprint": format_fingerprint(td.target_fingerprint),
+        }
+        for td in patch
+    ]
+    changed = patch.changed_elements
+    return {
+        "tensors": tensors,
+        "changed_elements": changed,
+        "total_elements": patch.total_elements,
+        "dense_bytes": patch.total_bytes,
+        "bytes": encoded_bytes,
+        "bytes_per_changed_element": encoded_bytes / changed if changed else None,
+        "changed_fraction": changed / patch.total_elements if patch.total_elements else 0.0,
+    }
+
+
+@click.command("diff")
+@click.argument("old", type=click.Path(exists=True, path_type=Path))
+@click.argument("new", type=click.Path(exists=True, path_type=Path))
+@click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="Patch file to write.")
+@click.option("--codec", type=click.Choice(["zstd", "lz4"]), default="zstd", show_default=True)
+@json_option
+def diff_command(old: Path, new: Path, output: Path, codec: str, as_json: bool) -> None:
+    """Write the exact bit difference between two safetensors checkpoints."""
+    t0 = time.perf_counter()
+    with Checkpoint(old) as a, Checkpoint(new) as b:
+        if a.specs != b.specs:
+            from bulletin.errors import IncompatibleTensors
+
+            raise IncompatibleTensors(
+                f"{old} and {new} do not hold the same tensors (names, dtypes and shapes must match)"
+            )
+        specs = a.specs
+        patch = diff(specs, {n: a.bits(n) for n in specs}, {n: b.bits(n) for n in specs})
+        (data,) = encode(patch, max_shard_bytes=_ONE_SHARD, codec=codec)
+    _write_file_atomic(output, data)
+    summary = patch_summary(patch, len(data)) | {"output": str(output), "seconds": time.perf_counter() - t0}
+
+    def human() -> None:
+        click.echo(
+            f"{output}: {human_bytes(len(data))} for {summary['changed_elements']:,} changed of "
+            f"{summary['total_elements']:,} elements ({100 * summary['changed_fraction']:.3f}%), "
+            f"{human_bytes(patch.total_bytes)} dense"
+        )
+
+    emit(summary, human)
+
+
+@click.command("apply")
+@click.argument("base", type=click.Path(exists=True, path_type=Path))
+@click.argument("patch_file", metavar="PATCH", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(path_type=Path),
+    required=True,
+    help="A .safetensors file, or a directory for an HF-style checkpoint.",
+)
+@json_option
+def apply_command(base: Path, patch_file: Path, output: Path, as_json: bool) -> None:
+    """Rebuild the new checkpoint from BASE and PATCH, verified bit for bit."""
+    t0 = time.perf_counter()
+    patch = decode([patch_file.read_bytes()])
+    if output.exists() and output.resolve() == base.resolve():
+        raise InvalidInput("the output must not overwrite the base checkpoint")
+    with Checkpoint(base) as ckpt:
+        patch.check_layout(ckpt.specs)
+        arrays = {}
+        fps = {}
+        for name in ckpt.specs:
+            bits = np.array(ckpt.bits(name), copy=True)
+            fps[name] = fingerprint(bits)
+            if fps[name] != patch.tensors[name].base_fingerprint:
+                raise WrongBase(f"{base}: tensor {name!r} is not the base this patch was made from")
+            arrays[name] = bits
+        specs = ckpt.specs
+        metadata = {k: v for k, v in ckpt.metadata.items() if k != "format"}
+    new_fps = apply_patch(patch, arrays, fps)
+    if output.suffix == ".safetensors":
+        output.parent.mkdir(parents=True, exist_ok=True)
+        _write_file_atomic(output, safetensors_bytes([specs[n] for n in sorted(specs)], arrays, metadata))
+        written = [output]
+    else:
+        written = write_checkpoint(output, specs, arrays, metadata=metadata)
+    summary = {
+        "output": [str(p) for p in written],
+        "changed_elements": patch.changed_elements,
+        "tensors": len(new_fps),
+        "verified": True,
+        "seconds": time.perf_counter() - t0,
+    }
+    emit(summary, lambda: click.echo(f"wrote {', '.join(map(str, written))} ({len(new_fps)} tensors verified)"))
+
+
+@click.command("inspect")
+@click.argument("patch_file", metavar="PATCH", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--top", type=int, default=20, show_default=True, help="Tensors listed (most changed first).")
+@json_option
+def inspect_command(patch_file: Path, top: int, as_json: bool) -> None:
+    """Show what a patch file changes, per tensor and in total."""
+    data = patch_file.read_bytes()
+    summary = patch_summary(decode([data]), len(data))
+
+    def human() -> None:
+        click.echo(
+            f"{patch_file}: {human_bytes(summary['bytes'])}, {summary['changed_elements']:,} of "
+            f"{summary['total_elements']:,} elements changed ({100 * summary['changed_fraction']:.3f}%)"
+        )
+        rows = sorted(summary["tensors"], key=lambda t: -t["changed_elements"])[:top]
+        width = max((len(t["name"]) for t in rows), default=4)
+        click.echo(f"{'tensor':<{width}}  {'dtype':<7} {'changed':>12} {'total':>14} {'%':>8}")
+        for t in rows:
+            pct = 100 * t["changed_elements"] / t["total_elements"] if t["total_elements"] else 0.0
+            click.echo(
+                f"{t['name']:<{width}}  {t['dtype']:<7} {t['changed_elements']:>12,} "
+                f"{t['total_elements']:>14,} {pct:>8.3f}"
+            )
+
+    emit(summary, human)

@@ -1,0 +1,207 @@
+"""Operations on a whole run: its log, a full verification, and garbage collection."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+
+from bulletin.chain import Board, StoredManifest
+from bulletin.errors import BulletinError, InvalidInput, VersionNotFound
+from bulletin.layout import version_of_data_key
+from bulletin.sync import Held, SyncPlan, execute, manifest_fingerprints
+from bulletin.target import ArrayTarget
+
+__all__ = ["GcReport", "LogEntry", "VerifyReport", "collect_garbage", "log", "verify"]
+
+
+@dataclass(frozen=True, slots=True)
+class LogEntry:
+    """One version as ``bulletin log`` shows it."""
+
+    version: int
+    kind: str  # "keyframe", "patch" or "keyframe+patch"
+    created_at: datetime
+    patch_bytes: int
+    keyframe_bytes: int
+    changed_elements: int | None
+    total_elements: int
+    total_bytes: int
+    writer: str
+    metadata: dict[str, str]
+
+    @property
+    def changed_fraction(self) -> float | None:
+        if self.changed_elements is None or not self.total_elements:
+            return None
+        return self.changed_elements / self.total_elements
+
+
+def _entry(stored: StoredManifest) -> LogEntry:
+    m = stored.manifest
+    kind = "+".join(k for k, present in (("keyframe", m.keyframe), ("patch", m.patch)) if present)
+    return LogEntry(
+        version=m.version,
+        kind=kind,
+        created_at=m.created_at,
+        patch_bytes=m.stats.patch_bytes,
+        keyframe_bytes=m.stats.keyframe_bytes,
+        changed_elements=m.patch.changed_elements if m.patch else None,
+        total_elements=m.stats.total_elements,
+        total_bytes=m.stats.total_bytes,
+        writer=m.writer,
+        metadata=dict(m.metadata),
+    )
+
+
+def log(board: Board, *, limit: int | None = None) -> list[LogEntry]:
+    """The chain, newest first (``limit`` newest versions)."""
+    versions = board.versions()
+    if limit is not None:
+        versions = versions[-limit:] if limit > 0 else []
+    return [_entry(s) for s in reversed(board.read_manifests(versions))]
+
+
+@dataclass(slots=True)
+class VerifyReport:
+    """The outcome of :func:`verify`; ``ok`` when ``problems`` is empty."""
+
+    versions: int = 0
+    keyframes: int = 0
+    transitions: int = 0
+    bytes_read: int = 0
+    head_version: int | None = None
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def verify(board: Board, *, progress: Callable[[int], None] | None = None) -> VerifyReport:
+    """Check the whole run: every digest, every link of the hash chain, the head, and
+    every version's bits (rebuilt from the oldest keyframe, fingerprints recomputed in
+    full). Problems are collected, not raised; reconstruction restarts at the next
+    keyframe after a broken version."""
+    report = VerifyReport()
+    versions = board.versions()
+    if not versions:
+        raise VersionNotFound(f"{board.run}: the run has no version")
+    manifests = board.read_manifests(versions)
+    report.versions = len(manifests)
+    head = board.read_head()
+    if head is None:
+        report.problems.append("the run has versions but no head")
+    else:
+        report.head_version = head.head.version
+        by_version = {s.version: s for s in manifests}
+        pointed = by_version.get(head.head.version)
+        if pointed is None:
+            report.problems.append(f"head points at version {head.head.version}, which is missing")
+        elif pointed.digest != head.head.manifest_digest:
+            report.problems.append(f"head digest does not match version {head.head.version}'s manifest")
+    previous: StoredManifest | None = None
+    for stored in manifests:
+        if previous is not None and previous.version + 1 != stored.version:
+            report.problems.append(f"versions {previous.version + 1}..{stored.version - 1} are missing")
+        elif previous is not None and stored.manifest.parent_digest != previous.digest:
+            report.problems.append(f"version {stored.version} does not chain to version {previous.version}")
+        previous = stored
+    target = ArrayTarget()
+    held: Held | None = None
+    for stored in manifests:
+        try:
+            if held is not None and stored.manifest.patch is not None and held.version == stored.version - 1:
+                report.bytes_read += execute(board, SyncPlan(stored, None, (stored,)), target, held).bytes_downloaded
+                report.transitions += 1
+                held = Held(stored.version, manifest_fingerprints(stored.manifest))
+                if stored.manifest.keyframe is not None:  # check the keyframe copy on its own too
+                    report.bytes_read += execute(
+                        board, SyncPlan(stored, stored, ()), ArrayTarget(), None
+                    ).bytes_downloaded
+                    report.keyframes += 1
+            elif stored.manifest.keyframe is not None:
+                report.bytes_read += execute(board, SyncPlan(stored, stored, ()), target, None).bytes_downloaded
+                report.keyframes += 1
+                held = Held(stored.version, manifest_fingerprints(stored.manifest))
+            else:
+                report.problems.append(f"version {stored.version}: cannot be rebuilt (no base before it)")
+                continue
+            recomputed = target.full_fingerprints()
+            if recomputed != held.fingerprints:
+                bad = sorted(n for n in held.fingerprints if recomputed.get(n) != held.fingerprints[n])
+                report.problems.append(f"version {stored.version}: rebuilt bits differ in {bad[:3]}")
+                held = None
+        except BulletinError as exc:
+            report.problems.append(f"version {stored.version}: {exc.code}: {exc}")
+            held = None
+        if progress is not None:
+            progress(stored.version)
+    return report
+
+
+@dataclass(slots=True)
+class GcReport:
+    """What :func:`collect_garbage` removed (or would remove, in a dry run)."""
+
+    floor: int
+    tip: int
+    deleted_manifests: list[str] = field(default_factory=list)
+    deleted_objects: list[str] = field(default_factory=list)
+    deleted_bytes: int = 0
+    dry_run: bool = False
+
+
+def collect_garbage(
+    board: Board,
+    *,
+    keep: int,
+    dry_run: bool = False,
+    grace: timedelta = timedelta(hours=1),
+) -> GcReport:
+    """Keep the newest ``keep`` versions syncable; remove everything older.
+
+    The kept range is widened down to the newest keyframe at or below its oldest
+    version, so a fresh node can always start. Objects no kept manifest names
+    (left by crashed or losing publishers) are removed once older than ``grace``,
+    so a publish in flight is never touched. Manifests go before the data they name.
+    """
+    if keep < 1:
+        raise InvalidInput("keep must be at least 1")
+    versions = board.versions()
+    if not versions:
+        raise VersionNotFound(f"{board.run}: the run has no version")
+    tip = versions[-1]
+    want = max(versions[0], tip - keep + 1)
+    floor = want
+    while True:
+        stored = board.read_manifest(floor)
+        if stored.manifest.keyframe is not None:
+            break
+        if floor == versions[0]:
+            raise VersionNotFound(f"{board.run}: no keyframe at or below version {want}; nothing is safe to remove")
+        floor -= 1
+    kept = board.read_manifests([v for v in versions if v >= floor])
+    referenced: set[str] = set()
+    for s in kept:
+        m = s.manifest
+        referenced.update(board.key(r.key) for r in (m.patch.shards if m.patch else ()))
+        referenced.update(board.key(r.key) for r in (m.keyframe.files if m.keyframe else ()))
+    report = GcReport(floor=floor, tip=tip, dry_run=dry_run)
+    report.deleted_manifests = [board.key(f"manifests/{v:020d}.json") for v in versions if v < floor]
+    cutoff = datetime.now(UTC) - grace
+    for prefix in ("patches/", "keyframes/"):
+        for info in board.objects(prefix):
+            if info.key in referenced:
+                continue
+            version = version_of_data_key(info.key[len(board.root) :])
+            old_enough = info.last_modified is not None and info.last_modified < cutoff
+            if (version is not None and version < floor) or old_enough:
+                report.deleted_objects.append(info.key)
+                report.deleted_bytes += info.size
+    if not dry_run:
+        for key in report.deleted_manifests:
+            board.store.delete(key)
+        for key in report.deleted_objects:
+            board.store.delete(key)
+    return report

@@ -1,0 +1,320 @@
+"""Trainer side: publish each new state of the weights as an immutable version.
+
+>>> pub = Publisher("s3://bucket/runs", "llama-grpo", keyframe_every=50)
+>>> for step in range(steps):
+...     train_step()
+...     pub.publish_async(model.state_dict())   # returns at once; uploads in the background
+>>> pub.close()                                  # waits for the queue; raises the first error
+
+Each version is diffed against the bits of the previous one (kept in memory, two
+bytes per BF16 parameter), encoded into shards, uploaded, and committed by creating
+its manifest (the commit point), then the head moves. Version 1, every
+``keyframe_every``-th version after it, and any change of tensor layout are also
+stored in full as plain safetensors. A restarted trainer resumes from the run's
+newest version by reconstructing it, so the chain continues without a gap.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import secrets
+import threading
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from types import TracebackType
+from typing import Any, Final, Self
+
+import numpy as np
+from numpy.typing import NDArray
+
+from bulletin.chain import Board, StoredManifest, sha256_hex
+from bulletin.checkpoint import INDEX_NAME, Checkpoint, hf_index, plan_checkpoint, safetensors_bytes
+from bulletin.errors import ConfigError, InvalidInput
+from bulletin.layout import keyframe_prefix, patch_shard_key
+from bulletin.snapshot import SERVED_FLOAT_DTYPES, Snapshot, snapshot
+from bulletin.storage import Store, open_store
+from bulletin.sync import execute, manifest_fingerprints, manifest_specs, plan
+from bulletin.target import ArrayTarget
+from patcher.diff import diff_bits
+from patcher.encode import encode
+from patcher.fingerprint import fingerprint, fingerprint_delta, format_fingerprint
+from patcher.patch import Patch, TensorDelta, TensorSpec
+from schemas.manifest import KeyframeRef, ManifestV1, ObjectRef, PatchRef, TensorEntry, VersionStats
+
+__all__ = ["PublishResult", "Publisher"]
+
+_DEFAULT_SHARD_BYTES: Final = 64 << 20
+_DEFAULT_KEYFRAME_FILE_BYTES: Final = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class PublishResult:
+    """What one publish wrote."""
+
+    version: int
+    keyframe: bool
+    changed_elements: int
+    total_elements: int
+    patch_bytes: int
+    keyframe_bytes: int
+    manifest_digest: str
+
+
+@dataclass(slots=True)
+class _Kept:
+    """The last published version: its bits, fingerprints and manifest."""
+
+    specs: dict[str, TensorSpec]
+    bits: dict[str, NDArray[np.unsignedinteger]]
+    fingerprints: dict[str, int]
+    stored: StoredManifest
+
+
+class Publisher:
+    """Publishes versions of one run. Not thread-safe: one trainer process, one Publisher."""
+
+    def __init__(
+        self,
+        store: str | os.PathLike[str] | Store,
+        run: str,
+        *,
+        dtype: str = "BF16",
+        keyframe_every: int = 10,
+        codec: str = "zstd",
+        max_shard_bytes: int = _DEFAULT_SHARD_BYTES,
+        keyframe_file_bytes: int = _DEFAULT_KEYFRAME_FILE_BYTES,
+        max_workers: int = 8,
+        queue_size: int = 2,
+        on_bytes: Callable[[int], None] | None = None,
+    ) -> None:
+        if dtype not in SERVED_FLOAT_DTYPES:
+            raise ConfigError(f"dtype must be one of {', '.join(SERVED_FLOAT_DTYPES)}, not {dtype!r}")
+        if keyframe_every < 1:
+            raise ConfigError("keyframe_every must be >= 1")
+        if codec not in ("zstd", "lz4"):
+            raise ConfigError(f"codec must be 'zstd' or 'lz4', not {codec!r}")
+        if queue_size < 1 or max_shard_bytes < 1 << 10 or keyframe_file_bytes < 1 << 10:
+            raise ConfigError("queue_size >= 1; max_shard_bytes and keyframe_file_bytes >= 1 KiB")
+        self._board = Board(
+            open_store(store) if isinstance(store, str | os.PathLike) else store, run, max_workers=max_workers
+        )
+        self.dtype = dtype
+        self.keyframe_every = keyframe_every
+        self.codec = codec
+        self.max_shard_bytes = max_shard_bytes
+        self.keyframe_file_bytes = keyframe_file_bytes
+        self.writer = secrets.token_hex(8)
+        self._on_bytes = on_bytes
+        self._kept: _Kept | None = None
+        self._resumed = False
+        self._queue: queue.Queue[tuple[Snapshot, dict[str, str], Future[PublishResult]] | None] = queue.Queue(
+            maxsize=queue_size
+        )
+        self._worker: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._closed = False
+        self.results: list[PublishResult] = []
+
+    @property
+    def run(self) -> str:
+        return self._board.run
+
+    @property
+    def version(self) -> int | None:
+        """The last version this publisher committed or resumed from."""
+        return self._kept.stored.version if self._kept else None
+
+    # -- public API --------------------------------------------------------------------
+
+    def publish(self, state_dict: Mapping[str, Any], *, metadata: Mapping[str, str] | None = None) -> int:
+        """Publish synchronously; returns the new version number."""
+        self._check_open()
+        self.flush()
+        return self._publish(snapshot(state_dict, dtype=self.dtype), dict(metadata or {})).version
+
+    def publish_checkpoint(
+        self, path: str | os.PathLike[str], *, metadata: Mapping[str, str] | None = None
+    ) -> PublishResult:
+        """Publish a safetensors checkpoint (file or directory) as is: its dtypes are served."""
+        self._check_open()
+        self.flush()
+        with Checkpoint(path) as ckpt:
+            specs = ckpt.specs
+            bits = {name: np.array(ckpt.bits(name), copy=True) for name in specs}
+        return self._publish(Snapshot(specs, bits, {}), dict(metadata or {}))
+
+    def publish_async(
+        self, state_dict: Mapping[str, Any], *, metadata: Mapping[str, str] | None = None
+    ) -> Future[PublishResult]:
+        """Snapshot now (a cast copy), publish in the background; blocks only when the
+        bounded queue is full. Errors surface from the future and from flush/close."""
+        self._check_open()
+        self._raise_background_error()
+        snap = snapshot(state_dict, dtype=self.dtype)
+        future: Future[PublishResult] = Future()
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._drain, name=f"bulletin-publish-{self.run}", daemon=True)
+            self._worker.start()
+        self._queue.put((snap, dict(metadata or {}), future))
+        return future
+
+    def flush(self) -> None:
+        """Wait until every queued publish is committed; raise the first background error."""
+        self._queue.join()
+        self._raise_background_error()
+
+    def close(self) -> None:
+        """Flush, then stop the background worker. Idempotent."""
+        if self._closed:
+            return
+        try:
+            self.flush()
+        finally:
+            self._closed = True
+            if self._worker is not None:
+                self._queue.put(None)
+                self._worker.join()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InvalidInput("this Publisher is closed")
+
+    def _raise_background_error(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def _drain(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                snap, metadata, future = item
+                if self._error is not None:  # keep order: nothing after a failed version
+                    future.set_exception(self._error)
+                    continue
+                try:
+                    future.set_result(self._publish(snap, metadata))
+                except BaseException as exc:
+                    self._error = exc
+                    future.set_exception(exc)
+            finally:
+                self._queue.task_done()
+
+    def _resume(self) -> None:
+        """Continue the run from its newest committed version (after a restart)."""
+        self._resumed = True
+        tip = self._board.tip()
+        if tip is None:
+            return
+        self._board.advance_head(tip)  # a crash may have left the head behind a commit
+        held = ArrayTarget()
+        execute(self._board, plan(self._board, tip, None), held, None)
+        specs = manifest_specs(tip.manifest)
+        self._kept = _Kept(specs, dict(held.arrays), manifest_fingerprints(tip.manifest), tip)
+
+    def _publish(self, snap: Snapshot, metadata: dict[str, str]) -> PublishResult:
+        if not self._resumed:
+            self._resume()
+        kept = self._kept
+        version = kept.stored.version + 1 if kept else 1
+        same_layout = kept is not None and kept.specs == snap.specs
+        patch: Patch | None = None
+        if kept is not None and same_layout:
+            patch = self._diff(kept, snap)
+            fps = {td.spec.name: td.target_fingerprint for td in patch}
+        else:
+            fps = {name: fingerprint(bits) for name, bits in snap.bits.items()}
+        is_keyframe = not same_layout or (version - 1) % self.keyframe_every == 0
+        patch_ref = self._upload_patch(version, patch) if patch is not None else None
+        keyframe_ref = self._upload_keyframe(version, snap) if is_keyframe else None
+        manifest = ManifestV1(
+            run=self.run,
+            version=version,
+            parent_version=kept.stored.version if kept else None,
+            parent_digest=kept.stored.digest if kept else None,
+            created_at=datetime.now(UTC),
+            writer=self.writer,
+            tensors=tuple(
+                TensorEntry(name=s.name, dtype=s.dtype, shape=s.shape, fingerprint=format_fingerprint(fps[s.name]))  # type: ignore[arg-type]
+                for s in (snap.specs[n] for n in sorted(snap.specs))
+            ),
+            patch=patch_ref,
+            keyframe=keyframe_ref,
+            stats=VersionStats(
+                total_elements=sum(s.numel for s in snap.specs.values()),
+                total_bytes=sum(s.nbytes for s in snap.specs.values()),
+                patch_bytes=sum(r.size for r in patch_ref.shards) if patch_ref else 0,
+                keyframe_bytes=sum(r.size for r in keyframe_ref.files) if keyframe_ref else 0,
+            ),
+            metadata=metadata,
+        )
+        stored = self._board.commit(manifest)  # raises VersionConflict for a stale trainer
+        self._kept = _Kept(dict(snap.specs), snap.bits, fps, stored)
+        result = PublishResult(
+            version=version,
+            keyframe=is_keyframe,
+            changed_elements=patch_ref.changed_elements if patch_ref else manifest.stats.total_elements,
+            total_elements=manifest.stats.total_elements,
+            patch_bytes=manifest.stats.patch_bytes,
+            keyframe_bytes=manifest.stats.keyframe_bytes,
+            manifest_digest=stored.digest,
+        )
+        self.results.append(result)
+        return result
+
+    def _diff(self, kept: _Kept, snap: Snapshot) -> Patch:
+        deltas = {}
+        for name, spec in snap.specs.items():
+            old, new = kept.bits[name], snap.bits[name]
+            indices, delta = diff_bits(old, new)
+            base = kept.fingerprints[name]
+            flat_old, flat_new = old.reshape(-1), new.reshape(-1)
+            target = (base + fingerprint_delta(indices, flat_old[indices], flat_new[indices])) & (2**64 - 1)
+            deltas[name] = TensorDelta(spec, indices, delta, base, target)
+        return Patch(deltas)
+
+    def _upload_patch(self, version: int, patch: Patch) -> PatchRef:
+        shards = encode(patch, max_shard_bytes=self.max_shard_bytes, codec=self.codec)
+        refs = []
+        items = {}
+        for data in shards:
+            digest = sha256_hex(data)
+            key = patch_shard_key(version, digest)
+            refs.append(ObjectRef(key=key, size=len(data), sha256=digest))
+            items[key] = data
+        self._board.upload(items, self._on_bytes)
+        return PatchRef(codec=self.codec, shards=tuple(refs), changed_elements=patch.changed_elements)  # type: ignore[arg-type]
+
+    def _upload_keyframe(self, version: int, snap: Snapshot) -> KeyframeRef:
+        prefix = keyframe_prefix(version, self.writer)
+        layout = plan_checkpoint(snap.specs, self.keyframe_file_bytes)
+        refs: list[ObjectRef] = []
+
+        def upload_one(file_name: str, content: bytes) -> ObjectRef:
+            key = f"{prefix}/{file_name}"
+            self._board.upload({key: content}, self._on_bytes)
+            return ObjectRef(key=key, size=len(content), sha256=sha256_hex(content))
+
+        # Files are built inside the workers so that at most `workers` of them are in memory.
+        workers = max(1, min(4, self._board.max_workers))
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            futures = [pool.submit(lambda f=f, s=s: upload_one(f, safetensors_bytes(s, snap.bits))) for f, s in layout]
+            refs = [f.result() for f in futures]
+        if len(layout) > 1:
+            refs.append(upload_one(INDEX_NAME, hf_index(layout)))
+        return KeyframeRef(prefix=prefix, files=tuple(refs))

@@ -1,0 +1,147 @@
+"""Turning a trainer's state dict into the bits Bulletin serves.
+
+Floating-point tensors are cast to the served dtype exactly as torch rounds
+(``tensor.to(torch.bfloat16)``: round to nearest even); other tensors keep their
+dtype. The result is a private copy: the training loop may change its tensors as
+soon as :func:`snapshot` returns. Tensors that share storage (tied embeddings)
+are served once, under the name that sorts first, as safetensors' ``save_model``
+does; :func:`aliases` reports the dropped names so engines can map them back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+import numpy as np
+from numpy.typing import NDArray
+
+from bulletin.errors import InvalidInput, UnsupportedDtype
+from patcher.cast import cast_bits
+from patcher.names import check_tensor_name
+from patcher.patch import TensorSpec
+
+__all__ = ["SERVED_FLOAT_DTYPES", "Snapshot", "snapshot"]
+
+#: Dtypes a trainer may ask floating-point weights to be served in.
+SERVED_FLOAT_DTYPES: Final = ("BF16", "F16", "F32")
+
+_NUMPY_NAMES: Final[dict[str, str]] = {
+    "bool": "BOOL",
+    "uint8": "U8",
+    "int8": "I8",
+    "uint16": "U16",
+    "int16": "I16",
+    "float16": "F16",
+    "uint32": "U32",
+    "int32": "I32",
+    "float32": "F32",
+    "uint64": "U64",
+    "int64": "I64",
+    "float64": "F64",
+}
+_TORCH_NAMES: Final[dict[str, str]] = {
+    "torch.bool": "BOOL",
+    "torch.uint8": "U8",
+    "torch.int8": "I8",
+    "torch.float8_e4m3fn": "F8_E4M3",
+    "torch.float8_e5m2": "F8_E5M2",
+    "torch.uint16": "U16",
+    "torch.int16": "I16",
+    "torch.float16": "F16",
+    "torch.bfloat16": "BF16",
+    "torch.uint32": "U32",
+    "torch.int32": "I32",
+    "torch.float32": "F32",
+    "torch.uint64": "U64",
+    "torch.int64": "I64",
+    "torch.float64": "F64",
+}
+_FLOATS: Final = {"F16", "BF16", "F32", "F64"}
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """Specs and private bits arrays (NumPy, host) of one version, plus dropped aliases."""
+
+    specs: dict[str, TensorSpec]
+    bits: dict[str, NDArray[np.unsignedinteger]]
+    aliases: dict[str, str]  # dropped name -> served name
+
+
+def _torch_bits(value: Any, served: str) -> tuple[str, NDArray[np.unsignedinteger]]:
+    import torch
+
+    t = value.detach()
+    name = _TORCH_NAMES.get(str(t.dtype))
+    if name is None:
+        raise UnsupportedDtype(f"torch dtype {t.dtype} cannot be served bit-exactly")
+    if name in _FLOATS and name != served:
+        t = t.to(getattr(torch, {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}[served]))
+        name = served
+    t = t.contiguous()
+    width = t.element_size()
+    unsigned = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}[width]
+    host = t.view(unsigned).cpu() if t.dim() else t.reshape(1).view(unsigned).cpu().reshape(())
+    # `.numpy()` shares memory with `host`; copy so the trainer cannot change what we hold.
+    return name, np.array(host.numpy(), copy=True)
+
+
+def _numpy_bits(value: NDArray[Any], served: str) -> tuple[str, NDArray[np.unsignedinteger]]:
+    name = _NUMPY_NAMES.get(value.dtype.name)
+    if name is None:
+        raise UnsupportedDtype(f"NumPy dtype {value.dtype} cannot be served bit-exactly")
+    array = np.ascontiguousarray(value)
+    if name in _FLOATS and name != served:
+        if name != "F32":
+            raise UnsupportedDtype(f"NumPy {value.dtype} arrays cannot be cast to {served}: pass float32")
+        return served, cast_bits(array.view(np.uint32), "F32", served)
+    width = array.dtype.itemsize
+    return name, array.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[width]).copy()
+
+
+def _storage_key(value: Any) -> tuple[Any, ...] | None:
+    """Identity of the memory a tensor views, to find tied weights."""
+    if type(value).__module__.startswith("torch"):
+        try:
+            ptr = value.untyped_storage().data_ptr()
+        except RuntimeError:  # tensors without storage (meta, sparse) have no aliases
+            return None
+        return (str(value.device), ptr, value.storage_offset(), tuple(value.shape), tuple(value.stride()))
+    if isinstance(value, np.ndarray):
+        return ("numpy", value.__array_interface__["data"][0], value.shape, value.strides, value.dtype.str)
+    return None
+
+
+def snapshot(state_dict: Mapping[str, Any], *, dtype: str = "BF16") -> Snapshot:
+    """Cast and copy a state dict (torch tensors on any device, NumPy or CuPy arrays)."""
+    if dtype not in SERVED_FLOAT_DTYPES:
+        raise UnsupportedDtype(f"served dtype must be one of {', '.join(SERVED_FLOAT_DTYPES)}, not {dtype!r}")
+    if not isinstance(state_dict, Mapping) or not state_dict:
+        raise InvalidInput("state_dict must be a non-empty mapping of tensor names to tensors")
+    specs: dict[str, TensorSpec] = {}
+    bits: dict[str, NDArray[np.unsignedinteger]] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[tuple[Any, ...], str] = {}
+    for name in sorted(state_dict):
+        check_tensor_name(name)
+        value = state_dict[name]
+        key = _storage_key(value)
+        if key is not None and key in seen:
+            aliases[name] = seen[key]
+            continue
+        module = type(value).__module__
+        if module.startswith("torch"):
+            served_name, array = _torch_bits(value, dtype)
+        elif module.startswith("cupy"):
+            served_name, array = _numpy_bits(value.get(), dtype)
+        elif isinstance(value, np.ndarray):
+            served_name, array = _numpy_bits(value, dtype)
+        else:
+            raise InvalidInput(f"{name}: expected a torch tensor, NumPy or CuPy array, got {type(value).__name__}")
+        if key is not None:
+            seen[key] = name
+        specs[name] = TensorSpec(name, served_name, tuple(int(d) for d in array.shape))
+        bits[name] = array
+    return Snapshot(specs, bits, aliases)

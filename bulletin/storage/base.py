@@ -1,0 +1,173 @@
+"""The storage protocol: bytes in, bytes out, with a version token (ETag).
+
+Every object in a Bulletin bucket is immutable except the head pointer, so the
+protocol needs only whole-object reads and writes plus two conditional writes:
+
+- ``put_if_absent`` (create-only, HTTP ``If-None-Match: *``): of any number of
+  concurrent writers of one key, exactly one gets ``Updated``.
+- ``put_if_match`` (compare-and-swap, HTTP ``If-Match: <etag>``): succeeds only
+  while the object still carries ``etag``.
+
+A lost race is an ordinary return value (``Conflicted``), never an exception.
+Everything else that goes wrong is raised from :mod:`bulletin.errors`:
+``NotFound`` for a missing key, ``InvalidInput`` for a bad key or argument,
+``AccessDenied`` / ``StorageUnavailable`` for the store itself, ``ConfigError``
+for a bad URL. Backends translate their own exceptions at this boundary only.
+
+ETags are opaque: compare them for equality, never parse them. A backend never
+hands out the same ETag for two different contents of one key; two writes of
+identical bytes may share one where the backend derives ETags from content (S3).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Protocol, Self, TypeAlias, runtime_checkable
+
+from bulletin.errors import InvalidInput
+
+__all__ = [
+    "Conflicted",
+    "ObjectData",
+    "ObjectInfo",
+    "Store",
+    "StoreBase",
+    "Updated",
+    "WriteResult",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectData:
+    """The bytes of an object and the ETag of exactly those bytes."""
+
+    data: bytes
+    etag: str
+
+    def __repr__(self) -> str:  # Objects can be hundreds of MiB: never print them whole.
+        return f"ObjectData(<{len(self.data)} bytes>, etag={self.etag!r})"
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    """What a listing or ``stat`` knows about an object, without its bytes."""
+
+    key: str
+    size: int
+    etag: str | None
+    last_modified: datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class Updated:
+    """A conditional write took effect; ``etag`` is the new object's."""
+
+    etag: str
+
+
+@dataclass(frozen=True, slots=True)
+class Conflicted:
+    """A conditional write lost its race and changed nothing.
+
+    ``current_etag`` is the ETag the key held when the loss was detected, or
+    ``None`` when the key was absent (a compare-and-swap on a missing key).
+    """
+
+    current_etag: str | None
+
+
+WriteResult: TypeAlias = Updated | Conflicted
+
+
+@runtime_checkable
+class Store(Protocol):
+    """An object store holding immutable blobs and a few compare-and-swap pointers.
+
+    Keys are ``/``-separated relative paths (see :func:`bulletin.storage.keys.check_key`).
+    Implementations are safe to share between threads.
+    """
+
+    @property
+    def url(self) -> str:
+        """The canonical URL that :func:`bulletin.storage.open_store` opens again.
+
+        It never includes credentials.
+        """
+        ...
+
+    def get(self, key: str) -> ObjectData:
+        """The object's bytes and ETag; ``NotFound`` if absent."""
+        ...
+
+    def get_if_changed(self, key: str, etag: str | None) -> ObjectData | None:
+        """Like :meth:`get`, but ``None`` while the object still carries ``etag``.
+
+        On S3 an unchanged object costs one small ``304 Not Modified`` response.
+        ``etag=None`` always reads. ``NotFound`` if absent.
+        """
+        ...
+
+    def stat(self, key: str) -> ObjectInfo:
+        """Size, ETag and modification time of an object; ``NotFound`` if absent."""
+        ...
+
+    def put_if_absent(self, key: str, data: bytes) -> WriteResult:
+        """Create the object unless the key exists: atomic, exactly one winner."""
+        ...
+
+    def put_if_match(self, key: str, data: bytes, etag: str) -> WriteResult:
+        """Replace the object only while it carries ``etag`` (compare-and-swap).
+
+        ``Conflicted`` when the object changed since ``etag`` was read, or is absent.
+        """
+        ...
+
+    def list(self, prefix: str, *, start_after: str | None = None) -> Iterator[ObjectInfo]:
+        """Objects whose key starts with ``prefix`` and sorts after ``start_after``.
+
+        Keys come in lexicographic order (of their UTF-8 bytes, as S3 sorts them),
+        fetched lazily page by page.
+        """
+        ...
+
+    def delete(self, key: str) -> None:
+        """Remove the object; deleting an absent key is not an error."""
+        ...
+
+    def close(self) -> None:
+        """Release connections and handles. Idempotent; the store is unusable after."""
+        ...
+
+
+class StoreBase:
+    """Plumbing shared by the built-in backends: the URL, closing, ``with`` support."""
+
+    __slots__ = ("_closed", "_url")
+
+    def __init__(self, url: str) -> None:
+        self._url = url
+        self._closed = False
+
+    @property
+    def url(self) -> str:
+        """The canonical URL of this store; never includes credentials."""
+        return self._url
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InvalidInput(f"store {self._url} is closed")
+
+    def close(self) -> None:
+        """Release resources. Idempotent; any later call on the store raises ``InvalidInput``."""
+        self._closed = True
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._url!r})"
