@@ -102,9 +102,8 @@ def run_demo(
             weights[...] = 1.0
     total = sum(int(np.prod(s)) for s in shapes.values())
     report = DemoReport(run=run, store=str(store), params=total, dense_bf16_bytes=2 * total)
-    say(
-        f"model: {len(shapes)} tensors, {total / 1e6:.1f}M parameters, {report.dense_bf16_bytes / 2**20:.1f} MiB in BF16"
-    )
+    mib = report.dense_bf16_bytes / 2**20
+    say(f"model: {len(shapes)} tensors, {total / 1e6:.1f}M parameters, {mib:.1f} MiB in BF16")
     say(f"bucket: {store} (local directory), run {run}, keyframe every {keyframe_every}, lr {lr:g}")
     say(f"{'version':>7}  {'kind':<9} {'changed %':>9} {'bytes':>12} {'vs full':>9} {'B/changed':>9} {'publish s':>9}")
     with Publisher(store, run, keyframe_every=keyframe_every) as pub:

@@ -234,8 +234,10 @@ def inverse_patch(patch: Patch) -> Patch:
 
 
 def _numpy_bits(tensor: torch.Tensor, spec: TensorSpec) -> Bits:
+    import torch
+
     # Zero-copy: the byte view of the flat tensor, reinterpreted as the bits dtype.
-    raw = tensor.reshape(-1).view(torch_dtype("U8")).numpy()
+    raw = tensor.reshape(-1).view(torch.uint8).numpy()
     return raw.view(spec.bits_dtype).reshape(spec.shape)
 
 
@@ -290,6 +292,8 @@ class TorchTarget:
         aliases: Mapping[str, str] | None = None,
         on_activate: Callable[[int], None] | None = None,
     ) -> None:
+        import torch
+
         if not tensors:
             raise InvalidInput("a TorchTarget needs at least one tensor")
         self.aliases: dict[str, str] = dict(aliases or {})
@@ -298,7 +302,7 @@ class TorchTarget:
         self._specs: dict[str, TensorSpec] = {}
         for name, tensor in tensors.items():
             check_tensor_name(name)
-            if tensor.layout != torch_dtype("U8").__class__ and str(tensor.layout) != "torch.strided":
+            if tensor.layout != torch.strided:
                 raise IncompatibleTensors(f"{name}: only dense (strided) tensors can be patched")
             if tensor.device.type not in ("cpu", "cuda"):
                 raise IncompatibleTensors(f"{name}: tensors on {tensor.device} are not supported")
@@ -345,9 +349,7 @@ class TorchTarget:
         """Overwrite every tensor with ``tensors`` (bits arrays); checks the layout first."""
         import torch
 
-        if dict(specs) != self._specs:
-            Patch({n: _empty_delta(s) for n, s in specs.items()}).check_layout(self._specs)
-            raise IncompatibleTensors("keyframe layout differs from the engine's tensors")
+        _check_same_layout(specs, self._specs)
         for name, spec in specs.items():
             array = tensors.get(name)
             if array is None or array.dtype != spec.bits_dtype or array.size != spec.numel:
@@ -424,5 +426,17 @@ def _subset(fingerprints: Mapping[str, int], patch: Patch) -> dict[str, int]:
     return {name: fingerprints[name] for name in patch.tensors if name in fingerprints}
 
 
-def _empty_delta(spec: TensorSpec) -> TensorDelta:
-    return TensorDelta(spec, np.zeros(0, np.int64), np.zeros(0, spec.bits_dtype), 0, 0)
+def _check_same_layout(given: Mapping[str, TensorSpec], held: Mapping[str, TensorSpec]) -> None:
+    if given.keys() != held.keys():
+        missing = sorted(held.keys() - given.keys())[:5]
+        extra = sorted(given.keys() - held.keys())[:5]
+        raise IncompatibleTensors(
+            f"tensor sets differ from the engine's: missing {missing}, unexpected {extra}"
+        )
+    for name, spec in given.items():
+        mine = held[name]
+        if spec != mine:
+            raise IncompatibleTensors(
+                f"{name}: version has {spec.dtype}{list(spec.shape)}, "
+                f"engine has {mine.dtype}{list(mine.shape)}"
+            )

@@ -66,6 +66,8 @@ def get_many(
     if isinstance(keys, str):  # a str is a Sequence[str] of characters: surely a mistake
         raise InvalidInput("keys must be a sequence of keys, not a single str")
     unique = list(dict.fromkeys(check_key(k) for k in keys))
+    if not unique:
+        return {}
     result: dict[str, bytes] = {}
 
     def done(key: str, data: bytes) -> None:
@@ -76,7 +78,7 @@ def get_many(
     def reader(key: str) -> Callable[[], bytes]:
         return lambda: store.get(key).data
 
-    _run(((k, reader(k)) for k in unique), min(workers, max(len(unique), 1)), done)
+    _run(((k, reader(k)) for k in unique), min(workers, len(unique)), done)
     return {k: result[k] for k in unique}
 
 
@@ -97,6 +99,8 @@ def put_many_if_absent(
     """
     workers = _check_workers(max_workers)
     checked = {check_key(k): check_data(v) for k, v in items.items()}
+    if not checked:
+        return {}
     result: dict[str, WriteResult] = {}
 
     def done(key: str, outcome: WriteResult) -> None:
@@ -107,5 +111,5 @@ def put_many_if_absent(
     def writer(key: str, data: bytes) -> Callable[[], WriteResult]:
         return lambda: store.put_if_absent(key, data)
 
-    _run(((k, writer(k, v)) for k, v in checked.items()), min(workers, max(len(checked), 1)), done)
+    _run(((k, writer(k, v)) for k, v in checked.items()), min(workers, len(checked)), done)
     return {k: result[k] for k in checked}

@@ -1,0 +1,405 @@
+"""The sidecar's background follow loop, and the target wrapper that pauses requests.
+
+:class:`SyncWorker` owns the Subscriber: every call into it happens on the worker's
+thread. It polls the head (a conditional GET) every ``poll_interval`` seconds, or every
+``eager_interval`` while a request is waiting for a version newer than the active
+one, and syncs to the head, or first to the lowest exact version a request is
+waiting for. Failures are recorded (metrics, ``/version``, ``/readyz``) and retried
+with exponential backoff; the last verified version keeps serving.
+
+:class:`GatedTarget` wraps the engine's :class:`~bulletin.target.WeightTarget`. While
+the live weights change (``load_full`` / ``apply`` of an in-place target, ``activate``
+of any target) it holds the activation gate exclusively, so new requests wait and the
+ones in flight finish first; ``activate`` publishes the new version to the gate before
+it lets anyone in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+import numpy as np
+from numpy.typing import NDArray
+
+from bulletin.errors import BulletinError, StorageUnavailable
+from bulletin.sidecar.gate import ActivationGate
+from bulletin.sidecar.metrics import SidecarMetrics
+from bulletin.sidecar.requirements import VersionRequirement
+from bulletin.target import WeightTarget
+from patcher.patch import Patch, TensorSpec
+
+__all__ = ["GateBridge", "GatedTarget", "SubscriberLike", "SyncStatus", "SyncWorker"]
+
+log = logging.getLogger("bulletin.sidecar")
+
+Bits = NDArray[np.unsignedinteger]
+_T = TypeVar("_T")
+
+
+class SubscriberLike(Protocol):
+    """What the worker uses of :class:`bulletin.subscriber.Subscriber`."""
+
+    @property
+    def current_version(self) -> int | None: ...
+
+    def head_version(self) -> int | None: ...
+
+    def sync(self, version: int | None = None) -> int: ...
+
+    def close(self) -> None: ...
+
+
+class GateBridge:
+    """Takes and releases the gate (which lives on the event loop) from the worker thread."""
+
+    def __init__(
+        self,
+        gate: ActivationGate,
+        loop: asyncio.AbstractEventLoop,
+        metrics: SidecarMetrics,
+        *,
+        drain_timeout: float | None,
+        stop: threading.Event,
+    ) -> None:
+        self.gate = gate
+        self.loop = loop
+        self.metrics = metrics
+        self.drain_timeout = drain_timeout
+        self._stop = stop
+        self._held_since: float | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._held_since is not None
+
+    def _wait(self, future: Future[_T]) -> _T:
+        # Poll so that a stopping sidecar never leaves this thread blocked forever.
+        while True:
+            try:
+                return future.result(timeout=0.25)
+            except TimeoutError:
+                if self._stop.is_set() or self.loop.is_closed():
+                    future.cancel()
+                    raise StorageUnavailable("the sidecar is stopping") from None
+
+    def acquire(self) -> None:
+        """Block until the gate is held exclusively (idempotent while held)."""
+        if self._held_since is not None:
+            return
+        future = asyncio.run_coroutine_threadsafe(
+            self.gate.acquire_exclusive(self.drain_timeout), self.loop
+        )
+        drained, preempted = self._wait(future)
+        self._held_since = time.monotonic()
+        self.metrics.drain_seconds.observe(drained)
+        if preempted:
+            self.metrics.preempted.inc(preempted)
+            log.warning("activation went ahead with %d requests still in flight", preempted)
+
+    def release(self, version: int | None) -> None:
+        """Release the gate, publishing ``version`` as active first (None: unchanged)."""
+        if self._held_since is None:
+            if version is not None:
+                self.set_active(version)
+            return
+        paused = time.monotonic() - self._held_since
+        self._held_since = None
+        self.metrics.pause_seconds.observe(paused)
+        self._call(self.gate.release_exclusive, version)
+
+    def set_active(self, version: int | None) -> None:
+        self._call(self.gate.set_active, version)
+
+    def _call(self, fn: Callable[[int | None], None], version: int | None) -> None:
+        async def run() -> None:
+            fn(version)
+
+        if self.loop.is_closed():
+            return
+        self._wait(asyncio.run_coroutine_threadsafe(run(), self.loop))
+
+
+class GatedTarget:
+    """A WeightTarget that holds the activation gate while the engine's weights change.
+
+    Targets that change live weights before ``activate`` declare ``in_place = True``
+    (the torch and vLLM targets); for the others (a local folder an engine reloads
+    from) only ``activate`` pauses requests. Unknown targets are treated as in place.
+    """
+
+    def __init__(self, inner: WeightTarget, metrics: SidecarMetrics | None = None) -> None:
+        self.inner = inner
+        self.in_place = bool(getattr(inner, "in_place", True))
+        self.metrics = metrics or SidecarMetrics()
+        self.bridge: GateBridge | None = None
+
+    def _hold(self) -> None:
+        if self.bridge is not None:
+            self.bridge.acquire()
+
+    def layout(self) -> Mapping[str, TensorSpec] | None:
+        return self.inner.layout()
+
+    def restored(self) -> tuple[int, dict[str, int]] | None:
+        return self.inner.restored()
+
+    def load_full(self, tensors: Mapping[str, Bits], specs: Mapping[str, TensorSpec]) -> None:
+        if self.in_place:
+            self._hold()
+        started = time.perf_counter()
+        self.inner.load_full(tensors, specs)
+        self.metrics.apply_seconds.observe(time.perf_counter() - started)
+
+    def apply(self, patch: Patch, fingerprints: Mapping[str, int]) -> dict[str, int]:
+        if self.in_place:
+            self._hold()
+        started = time.perf_counter()
+        result = self.inner.apply(patch, fingerprints)
+        self.metrics.apply_seconds.observe(time.perf_counter() - started)
+        return result
+
+    def abort(self) -> None:
+        abort = getattr(self.inner, "abort", None)
+        if callable(abort):
+            abort()
+
+    def full_fingerprints(self) -> dict[str, int]:
+        return self.inner.full_fingerprints()
+
+    def activate(self, version: int) -> None:
+        self._hold()
+        self.inner.activate(version)
+        if self.bridge is not None:
+            self.bridge.release(version)
+
+    def finish(self) -> None:
+        """Release the gate if a failed sync left it held (the old version stays)."""
+        if self.bridge is not None:
+            self.bridge.release(None)
+
+    def close(self) -> None:
+        close = getattr(self.inner, "close", None)
+        if callable(close):
+            close()
+
+    def __getattr__(self, name: str) -> Any:
+        # Engine-specific extras (model_path, reconcile, ...) stay reachable.
+        return getattr(self.inner, name)
+
+
+@dataclass(frozen=True, slots=True)
+class SyncStatus:
+    """A snapshot of the worker's state, safe to read from any thread."""
+
+    current: int | None
+    head: int | None
+    syncing_to: int | None
+    last_ok: float | None
+    """Wall-clock time of the last successful poll or sync."""
+    last_error_code: str | None
+    last_error: str | None
+    last_error_at: float | None
+    consecutive_failures: int
+
+    @property
+    def lag(self) -> int | None:
+        if self.head is None:
+            return None
+        return max(0, self.head - (self.current or 0))
+
+    @property
+    def healthy(self) -> bool:
+        return self.consecutive_failures == 0
+
+
+class SyncWorker:
+    """Runs the follow loop on its own thread; see the module docstring."""
+
+    def __init__(
+        self,
+        subscriber: SubscriberLike,
+        *,
+        metrics: SidecarMetrics,
+        bridge: GateBridge | None = None,
+        target: GatedTarget | None = None,
+        stop: threading.Event | None = None,
+        poll_interval: float = 1.0,
+        eager_interval: float = 0.05,
+        max_backoff: float = 30.0,
+    ) -> None:
+        self.subscriber = subscriber
+        self.metrics = metrics
+        self.bridge = bridge
+        self.target = target
+        self.poll_interval = poll_interval
+        self.eager_interval = eager_interval
+        self.max_backoff = max_backoff
+        self.stop_event = stop or threading.Event()
+        self._wake = threading.Event()
+        self._lock = threading.Lock()
+        self._exact_wanted: set[int] = set()
+        self._eager_until = 0.0
+        self._head: int | None = None
+        self._syncing_to: int | None = None
+        self._last_ok: float | None = None
+        self._error: tuple[str, str, float] | None = None
+        self._failures = 0
+        self._thread: threading.Thread | None = None
+
+    # -- control ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="bulletin-sidecar-sync", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.stop_event.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.error("sync worker did not stop within %.0f s", timeout)
+            self._thread = None
+
+    def demand(self, requirement: VersionRequirement, budget: float) -> None:
+        """A request waits for a newer version: poll eagerly for ``budget`` seconds."""
+        with self._lock:
+            if requirement.exact is not None:
+                self._exact_wanted.add(requirement.exact)
+            self._eager_until = max(self._eager_until, time.monotonic() + budget)
+        self._wake.set()
+
+    def status(self) -> SyncStatus:
+        with self._lock:
+            error = self._error
+            return SyncStatus(
+                current=self.subscriber.current_version,
+                head=self._head,
+                syncing_to=self._syncing_to,
+                last_ok=self._last_ok,
+                last_error_code=error[0] if error else None,
+                last_error=error[1] if error else None,
+                last_error_at=error[2] if error else None,
+                consecutive_failures=self._failures,
+            )
+
+    # -- the loop --------------------------------------------------------------------------
+
+    def _interval(self) -> float:
+        with self._lock:
+            failures = self._failures
+            eager = time.monotonic() < self._eager_until
+        if failures:
+            return min(self.max_backoff, self.poll_interval * 2 ** min(failures - 1, 16))
+        return self.eager_interval if eager else self.poll_interval
+
+    def _run(self) -> None:
+        if self.bridge is not None:
+            self.bridge.set_active(self.subscriber.current_version)
+        next_due = time.monotonic()
+        while not self.stop_event.is_set():
+            now = time.monotonic()
+            if now < next_due:
+                self._wake.wait(next_due - now)
+                self._wake.clear()
+                if self.stop_event.is_set():
+                    break
+                with self._lock:
+                    failing = self._failures > 0
+                # A demand wakes us early unless we are backing off after failures.
+                if failing and time.monotonic() < next_due:
+                    continue
+            self.step()
+            next_due = time.monotonic() + self._interval()
+
+    def step(self) -> None:
+        """One poll, and a sync if the head moved; never raises."""
+        try:
+            head = self.subscriber.head_version()
+        except BulletinError as exc:
+            self._failed(exc, during="poll")
+            return
+        except Exception as exc:  # a bug or an unexpected library error: keep serving
+            log.exception("head poll failed unexpectedly")
+            self._failed(exc, during="poll")
+            return
+        with self._lock:
+            self._head = head
+        current = self.subscriber.current_version
+        target = self._choose(head, current)
+        self._publish_gauges(head, current)
+        if target is None:
+            self._succeeded()
+            return
+        with self._lock:
+            self._syncing_to = target
+        started = time.perf_counter()
+        try:
+            self.subscriber.sync(target)
+        except BulletinError as exc:
+            self._failed(exc, during=f"sync to version {target}")
+        except Exception as exc:
+            log.exception("sync to version %d failed unexpectedly", target)
+            self._failed(exc, during=f"sync to version {target}")
+        else:
+            self.metrics.syncs.inc()
+            self.metrics.sync_seconds.observe(time.perf_counter() - started)
+            self._succeeded()
+            log.info("version %s active", self.subscriber.current_version)
+        finally:
+            with self._lock:
+                self._syncing_to = None
+            if self.target is not None:
+                self.target.finish()
+            # Targets without a gate wrapper (or a keyframe activated before a failure)
+            # still have to tell the gate which verified version is live.
+            if self.bridge is not None:
+                self.bridge.set_active(self.subscriber.current_version)
+            self._publish_gauges(head, self.subscriber.current_version)
+
+    def _choose(self, head: int | None, current: int | None) -> int | None:
+        if head is None or (current is not None and head <= current):
+            return None
+        with self._lock:
+            floor = current or 0
+            self._exact_wanted = {v for v in self._exact_wanted if v > floor}
+            exact = [v for v in self._exact_wanted if v <= head]
+        # Stop at a version a request asked for exactly before moving on to the head.
+        return min(exact) if exact else head
+
+    def _publish_gauges(self, head: int | None, current: int | None) -> None:
+        m = self.metrics
+        if head is not None:
+            m.head_version.set(head)
+        if current is not None:
+            m.current_version.set(current)
+            m.ready.set(1)
+        if head is not None and current is not None:
+            m.version_lag.set(max(0, head - current))
+        elif head is not None:
+            m.version_lag.set(head)
+
+    def _succeeded(self) -> None:
+        with self._lock:
+            self._failures = 0
+            self._last_ok = time.time()
+        self.metrics.last_sync_ok.set(1)
+
+    def _failed(self, exc: Exception, *, during: str) -> None:
+        code = exc.code if isinstance(exc, BulletinError) else "internal_error"
+        message = f"{during}: {exc}"
+        with self._lock:
+            self._failures += 1
+            self._error = (code, message, time.time())
+        self.metrics.sync_failures.inc(1, code)
+        self.metrics.last_sync_ok.set(0)
+        log.warning("%s failed (%s): %s", during, code, exc)
