@@ -29,15 +29,15 @@ __all__ = ["DemoReport", "llama_layout", "run_demo"]
 
 def llama_layout(params: int) -> dict[str, tuple[int, ...]]:
     """Tensor shapes of a Llama-style decoder with about ``params`` parameters."""
-    hidden = 256
-    while True:  # grow the width until the layer budget fits 8 layers
+    layers = 8 if params >= 8_000_000 else 2
+    vocab = 32_000 if params >= 20_000_000 else 4_096
+    hidden = 64
+    while True:
         ff = int(hidden * 8 / 3) // 64 * 64
         per_layer = 4 * hidden * hidden + 3 * hidden * ff + 2 * hidden
-        vocab = 32_000
-        if 8 * per_layer + 2 * vocab * hidden >= params or hidden >= 8192:
+        if layers * per_layer + 2 * vocab * hidden >= params or hidden >= 8192:
             break
-        hidden += 128
-    layers = max(1, (params - 2 * vocab * hidden) // per_layer)
+        hidden += 64
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
     for i in range(layers):
         p = f"model.layers.{i}."

@@ -15,7 +15,9 @@ It is a readers-writer lock with version waiters, confined to the sidecar's even
 
 Refusals are ordinary return values, not exceptions: a request behind its requirement
 when its wait runs out is *behind* (409, retry later), an exact version older than the
-active one is *gone* (410), and no verified version at all is *not_ready* (503).
+active one is *gone* (410), no verified version at all is *not_ready* (503), and a
+request whose version is active but that waited out its budget behind a long
+activation is *busy* (503).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ class Lease:
 class Refusal:
     """Why a request is not admitted; the proxy maps ``reason`` to a status code."""
 
-    reason: Literal["behind", "gone", "not_ready"]
+    reason: Literal["behind", "gone", "not_ready", "busy"]
     current: int | None
     waited: float
     message: str
@@ -133,6 +135,13 @@ class ActivationGate:
         waited = time.monotonic() - started
         if self._active is None:
             return Refusal("not_ready", None, waited, "no verified version is active yet")
+        if requirement.satisfied_by(self._active):
+            return Refusal(
+                "busy",
+                self._active,
+                waited,
+                f"an activation held requests back for longer than the {waited:.3f} s allowed",
+            )
         return Refusal(
             "behind",
             self._active,

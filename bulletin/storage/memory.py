@@ -164,11 +164,7 @@ class MemoryStore(StoreBase):
             with self._bucket.lock:
                 keys = heapq.nsmallest(
                     _PAGE,
-                    (
-                        k
-                        for k in self._bucket.objects
-                        if k.startswith(full_prefix) and (cursor is None or k > cursor)
-                    ),
+                    (k for k in self._bucket.objects if k.startswith(full_prefix) and (cursor is None or k > cursor)),
                 )
                 page: builtins.list[tuple[str, _Entry]] = [
                     (k, e) for k in keys if (e := self._bucket.objects.get(k)) is not None

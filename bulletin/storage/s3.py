@@ -282,7 +282,7 @@ class S3Store(StoreBase):
             if value is not None and value != default:
                 params[name] = f"{value:g}" if isinstance(value, float) else str(value)
         url = f"s3://{bucket}/{quote(self._prefix.rstrip('/'), safe='/')}".rstrip("/")
-        super().__init__(url + (f"?{urlencode(sorted(params.items()))}" if params else ""))
+        super().__init__(url + (f"?{urlencode(sorted(params.items()), safe=':/')}" if params else ""))
 
         config = Config(
             retries={"mode": retry_mode, "max_attempts": max_attempts},
@@ -419,9 +419,7 @@ class S3Store(StoreBase):
         head = self._head(key, join_key(self._prefix, key))
         if head is None:
             raise NotFound(f"{self._where(key)}: no such object")
-        return ObjectInfo(
-            key, int(head["ContentLength"]), head.get("ETag"), head["LastModified"].astimezone(UTC)
-        )
+        return ObjectInfo(key, int(head["ContentLength"]), head.get("ETag"), head["LastModified"].astimezone(UTC))
 
     # -- conditional writes -----------------------------------------------------------
 

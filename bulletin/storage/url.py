@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final
 from urllib.parse import SplitResult, parse_qsl, unquote, urlsplit
 
@@ -38,41 +37,18 @@ _SCHEME_RE: Final = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):")
 _KNOWN_SCHEMES: Final = frozenset({"file", "memory", "s3", "s3a", "http", "https", "gs", "az"})
 
 
-def _text(name: str) -> Callable[[str], str]:
-    return lambda v: v
-
-
-def _int(name: str) -> Callable[[str], int]:
-    def parse(value: str) -> int:
-        try:
-            return int(value)
-        except ValueError:
-            raise ConfigError(f"S3 URL parameter {name} must be an integer, got {value!r}") from None
-
-    return parse
-
-
-def _float(name: str) -> Callable[[str], float]:
-    def parse(value: str) -> float:
-        try:
-            return float(value)
-        except ValueError:
-            raise ConfigError(f"S3 URL parameter {name} must be a number, got {value!r}") from None
-
-    return parse
-
-
-_S3_PARAMS: Final[dict[str, Callable[[str], Any]]] = {
-    "endpoint_url": _text("endpoint_url"),
-    "region": _text("region"),
-    "profile": _text("profile"),
-    "addressing_style": _text("addressing_style"),
-    "retry_mode": _text("retry_mode"),
-    "max_attempts": _int("max_attempts"),
-    "max_pool_connections": _int("max_pool_connections"),
-    "page_size": _int("page_size"),
-    "connect_timeout": _float("connect_timeout"),
-    "read_timeout": _float("read_timeout"),
+#: S3 URL parameters and the type each one is parsed as.
+_S3_PARAMS: Final[dict[str, type[str] | type[int] | type[float]]] = {
+    "endpoint_url": str,
+    "region": str,
+    "profile": str,
+    "addressing_style": str,
+    "retry_mode": str,
+    "max_attempts": int,
+    "max_pool_connections": int,
+    "page_size": int,
+    "connect_timeout": float,
+    "read_timeout": float,
 }
 
 
@@ -100,9 +76,7 @@ def _open_memory(parts: SplitResult, url: str) -> MemoryStore:
 
 def _open_s3(parts: SplitResult, url: str) -> S3Store:
     if "@" in parts.netloc:
-        raise ConfigError(
-            "S3 URLs must not carry credentials; use AWS_ACCESS_KEY_ID / AWS_PROFILE / roles"
-        )
+        raise ConfigError("S3 URLs must not carry credentials; use AWS_ACCESS_KEY_ID / AWS_PROFILE / roles")
     if not parts.netloc:
         raise ConfigError(f"S3 URLs need a bucket (s3://bucket/prefix): {url!r}")
     if parts.fragment:
@@ -113,15 +87,20 @@ def _open_s3(parts: SplitResult, url: str) -> S3Store:
         raise ConfigError(f"malformed query in S3 URL {url!r}: {exc}") from None
     options: dict[str, Any] = {}
     for name, value in pairs:
-        parse = _S3_PARAMS.get(name)
-        if parse is None:
+        kind = _S3_PARAMS.get(name)
+        if kind is None:
             known = ", ".join(sorted(_S3_PARAMS))
             raise ConfigError(f"unknown S3 URL parameter {name!r} (known: {known})")
         if name in options:
             raise ConfigError(f"S3 URL parameter {name!r} given twice")
         if not value:
             raise ConfigError(f"S3 URL parameter {name!r} is empty")
-        options[name] = parse(value)
+        try:
+            options[name] = kind(value)
+        except ValueError:
+            raise ConfigError(
+                f"S3 URL parameter {name} must be {'an integer' if kind is int else 'a number'}, got {value!r}"
+            ) from None
 
     from bulletin.storage.s3 import S3Store  # boto3 is slow to import: only when needed
 

@@ -38,7 +38,9 @@ class ToyTrainer:
         return {n: cast_bits(np.ascontiguousarray(w).view(np.uint32), "F32", "BF16") for n, w in self.state.items()}
 
 
-def assert_bits_equal(held: dict[str, NDArray[np.unsignedinteger]], expected: dict[str, NDArray[np.unsignedinteger]]) -> None:
+def assert_bits_equal(
+    held: dict[str, NDArray[np.unsignedinteger]], expected: dict[str, NDArray[np.unsignedinteger]]
+) -> None:
     assert held.keys() == expected.keys()
     for name, bits in expected.items():
         got = np.asarray(held[name]).reshape(bits.shape)

@@ -1,0 +1,62 @@
+"""Storage: one protocol, bytes in and bytes out with ETags, and its backends.
+
+- :class:`Store`: the protocol every backend implements (:mod:`bulletin.storage.base`).
+- :func:`open_store`: a store from a URL (a path, ``file://``, ``memory://``, ``s3://``).
+- :class:`LocalStore`, :class:`MemoryStore`, :class:`S3Store`: the backends.
+- :func:`get_many`, :func:`put_many_if_absent`: parallel bulk transfers over any store.
+
+Lost races are return values (:class:`Updated` / :class:`Conflicted`), never
+exceptions; everything else raises from :mod:`bulletin.errors`. ``S3Store`` is
+imported lazily, so that code which never touches S3 does not pay for boto3.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from bulletin.storage.base import (
+    Conflicted,
+    ObjectData,
+    ObjectInfo,
+    Store,
+    StoreBase,
+    Updated,
+    WriteResult,
+)
+from bulletin.storage.keys import MAX_KEY_BYTES, check_key, check_prefix
+from bulletin.storage.local import LocalStore
+from bulletin.storage.memory import MemoryStore, drop_memory_bucket
+from bulletin.storage.transfer import DEFAULT_WORKERS, get_many, put_many_if_absent
+from bulletin.storage.url import open_store
+
+if TYPE_CHECKING:
+    from bulletin.storage.s3 import S3Store
+
+__all__ = [
+    "DEFAULT_WORKERS",
+    "MAX_KEY_BYTES",
+    "Conflicted",
+    "LocalStore",
+    "MemoryStore",
+    "ObjectData",
+    "ObjectInfo",
+    "S3Store",
+    "Store",
+    "StoreBase",
+    "Updated",
+    "WriteResult",
+    "check_key",
+    "check_prefix",
+    "drop_memory_bucket",
+    "get_many",
+    "open_store",
+    "put_many_if_absent",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "S3Store":
+        from bulletin.storage.s3 import S3Store
+
+        return S3Store
+    raise AttributeError(f"module 'bulletin.storage' has no attribute {name!r}")

@@ -1,0 +1,80 @@
+"""Argument checks shared by both backends, run before anything is read or written.
+
+They only look at ``dtype``, ``shape``, ``ndim``, ``size`` and ``flags``, which NumPy and
+CuPy arrays both have, so the two backends refuse exactly the same inputs with the
+same errors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from bulletin.errors import IncompatibleTensors, InvalidInput
+from patcher.cast import CastKind, cast_kind
+from patcher.dtypes import BITS_DTYPES, bits_dtype
+
+__all__ = [
+    "check_apply",
+    "check_bits",
+    "check_diff_cast",
+    "check_gaps",
+]
+
+_INT64 = np.dtype(np.int64)
+
+
+def check_bits(array: Any, what: str, *, dtype: str | None = None, writable: bool = False) -> None:
+    """``array`` is a C-contiguous unsigned bits array (of ``dtype``'s width if given)."""
+    expected = bits_dtype(dtype) if dtype is not None else None
+    actual = array.dtype
+    if expected is not None and actual != expected:
+        raise InvalidInput(
+            f"{what}: {dtype} bits must be a {expected} array, got {actual} "
+            "(take a bits view with kernels.as_bits)"
+        )
+    if expected is None and actual not in BITS_DTYPES.values():
+        raise InvalidInput(f"{what}: expected an unsigned bits array, got {actual}")
+    if not array.flags.c_contiguous:
+        raise InvalidInput(f"{what}: array must be C-contiguous")
+    # CuPy arrays have no writeable flag: device memory is always writable.
+    if writable and not getattr(array.flags, "writeable", True):
+        raise InvalidInput(f"{what}: array is read-only")
+
+
+def check_diff_cast(current: Any, kept: Any, current_dtype: str, served_dtype: str) -> CastKind:
+    """Arguments of ``diff_cast``; returns the cast to apply."""
+    kind = cast_kind(current_dtype, served_dtype)
+    check_bits(current, "current", dtype=current_dtype)
+    check_bits(kept, "kept", dtype=served_dtype, writable=True)
+    if tuple(current.shape) != tuple(kept.shape):
+        raise IncompatibleTensors(
+            f"current has shape {tuple(current.shape)}, kept bits {tuple(kept.shape)}"
+        )
+    return kind
+
+
+def check_gaps(gaps: Any, start: int) -> None:
+    """Arguments of ``decode_gaps``."""
+    if gaps.ndim != 1 or gaps.dtype.kind not in "ui":
+        raise InvalidInput(f"gaps must be a 1-d integer array, got {gaps.ndim}-d {gaps.dtype}")
+    if not gaps.flags.c_contiguous:
+        raise InvalidInput("gaps must be contiguous")
+    if not isinstance(start, int) or isinstance(start, bool) or not 0 <= start < 1 << 63:
+        raise InvalidInput(f"start must be an int in [0, 2**63), got {start!r}")
+
+
+def check_apply(bits: Any, indices: Any, delta: Any) -> None:
+    """Arguments of ``apply_delta``, except the index values (each backend checks those)."""
+    check_bits(bits, "bits", writable=True)
+    if indices.dtype != _INT64 or indices.ndim != 1 or not indices.flags.c_contiguous:
+        raise InvalidInput(
+            f"indices must be a contiguous 1-d int64 array, got {indices.ndim}-d {indices.dtype}"
+        )
+    if delta.dtype != bits.dtype or delta.ndim != 1 or not delta.flags.c_contiguous:
+        raise InvalidInput(
+            f"delta must be a contiguous 1-d {bits.dtype} array, got {delta.ndim}-d {delta.dtype}"
+        )
+    if delta.size != indices.size:
+        raise InvalidInput(f"{indices.size} indices but {delta.size} deltas")

@@ -1,0 +1,137 @@
+"""NumPy twins of the CUDA kernels: the same functions, signatures and bits, on the CPU.
+
+Every function of :mod:`kernels.cuda` has a twin here with the same name and signature
+(tests/kernels/test_signatures.py checks it), built on the pure codecs of ``patcher``.
+Both backends check their arguments the same way (kernels/_checks.py) and raise from
+``bulletin.errors`` before anything is written. Work is chunked: temporaries are
+O(chunk + changed elements), never the size of the tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+import numpy as np
+from numpy.typing import NDArray
+
+from bulletin.errors import InvalidInput
+from kernels._checks import check_apply, check_bits, check_diff_cast, check_gaps
+from kernels.types import BitsArray, DiffCast, IndexArray, IntArray
+from patcher.cast import cast_bits
+from patcher.diff import diff_bits
+from patcher.dtypes import bits_dtype
+from patcher.fingerprint import fingerprint as _fingerprint
+from patcher.fingerprint import fingerprint_delta
+
+__all__ = ["CHUNK_ELEMENTS", "apply_delta", "cast", "decode_gaps", "diff_cast", "fingerprint"]
+
+#: Elements per step of diff_cast and apply_delta.
+CHUNK_ELEMENTS: Final = 1 << 20
+
+_MASK64: Final = (1 << 64) - 1
+
+
+def _numpy(array: object, what: str) -> NDArray[Any]:
+    if not isinstance(array, np.ndarray):
+        raise InvalidInput(
+            f"{what}: the NumPy backend needs a numpy.ndarray, got {type(array).__name__}"
+        )
+    return array
+
+
+def cast(current: BitsArray, current_dtype: str, served_dtype: str) -> BitsArray:
+    """A new array holding ``current``'s bits cast exactly to ``served_dtype`` (patcher.cast)."""
+    src = _numpy(current, "current")
+    check_bits(src, "current", dtype=current_dtype)
+    return cast_bits(src, current_dtype, served_dtype)
+
+
+def diff_cast(
+    current: BitsArray, kept: BitsArray, *, current_dtype: str, served_dtype: str
+) -> DiffCast:
+    """Cast ``current`` to the served dtype, diff it against ``kept``, and update ``kept``.
+
+    ``current`` holds the bits of the trainer's weights (``current_dtype``: ``F32``
+    masters, or already the served dtype); ``kept`` the bits last published, in
+    ``served_dtype``, same shape, C-contiguous, writable. Returns the changed flat
+    indices (ascending), their deltas ``(new - old) mod 2**bits``, and the fingerprint
+    change; afterwards ``kept`` holds the new bits.
+    """
+    cur, old = _numpy(current, "current"), _numpy(kept, "kept")
+    kind = check_diff_cast(cur, old, current_dtype, served_dtype)
+    cur_flat, kept_flat = cur.reshape(-1), old.reshape(-1)
+    served = bits_dtype(served_dtype)
+    buffer = np.empty(min(cur_flat.size, CHUNK_ELEMENTS), dtype=served)
+    index_parts: list[NDArray[np.int64]] = []
+    delta_parts: list[NDArray[np.unsignedinteger]] = []
+    fp = 0
+    for start in range(0, cur_flat.size, CHUNK_ELEMENTS):
+        src = cur_flat[start : start + CHUNK_ELEMENTS]
+        dst = kept_flat[start : start + CHUNK_ELEMENTS]
+        new = src
+        if kind != "identity":
+            new = cast_bits(src, current_dtype, served_dtype, out=buffer[: src.size])
+        idx, delta = diff_bits(dst, new)
+        if idx.size == 0:
+            continue
+        now = new[idx]
+        global_idx = idx + start
+        fp += fingerprint_delta(global_idx, dst[idx], now)
+        dst[idx] = now
+        index_parts.append(global_idx)
+        delta_parts.append(delta)
+    if not index_parts:
+        return DiffCast(np.empty(0, dtype=np.int64), np.empty(0, dtype=served), 0)
+    return DiffCast(np.concatenate(index_parts), np.concatenate(delta_parts), fp & _MASK64)
+
+
+def decode_gaps(gaps: IntArray, start: int = 0) -> IndexArray:
+    """Indices from index gaps: ``indices[k] = start + gaps[0] + ... + gaps[k]`` (int64).
+
+    The gaps come from the codec's entropy decoder, which has checked them (their sum
+    stays below the tensor's size); ``apply_delta`` checks the resulting indices again.
+    """
+    g = _numpy(gaps, "gaps")
+    check_gaps(g, start)
+    indices = np.cumsum(g, dtype=np.int64)
+    if start:
+        indices += start
+    return indices
+
+
+def apply_delta(bits: BitsArray, indices: IndexArray, delta: BitsArray) -> int:
+    """Add ``delta`` (wrapping) to ``bits`` at flat ``indices``, in place; return the
+    fingerprint change (mod 2**64).
+
+    ``bits`` is the tensor's writable C-contiguous bits array (any shape); ``indices``
+    strictly increasing int64 in ``[0, bits.size)``; ``delta`` of ``bits``' dtype. All of
+    it is checked before the first write (``InvalidInput``), so bad input changes nothing.
+    """
+    b = _numpy(bits, "bits")
+    idx = _numpy(indices, "indices")
+    d = _numpy(delta, "delta")
+    check_apply(b, idx, d)
+    if idx.size:
+        if idx[0] < 0 or idx[-1] >= b.size:
+            raise InvalidInput(f"index out of range [0, {b.size})")
+        for start in range(1, idx.size, CHUNK_ELEMENTS):
+            # Overlapping by one element checks every adjacent pair across chunk edges.
+            window = idx[start - 1 : start + CHUNK_ELEMENTS]
+            if not bool(np.all(window[1:] > window[:-1])):
+                raise InvalidInput("indices must be strictly increasing")
+    flat = b.reshape(-1)
+    fp = 0
+    for start in range(0, idx.size, CHUNK_ELEMENTS):
+        i = idx[start : start + CHUNK_ELEMENTS]
+        old = flat[i]
+        new = old + d[start : start + CHUNK_ELEMENTS]  # unsigned arrays wrap, as intended
+        fp += fingerprint_delta(i, old, new)
+        flat[i] = new
+    return fp & _MASK64
+
+
+def fingerprint(bits: BitsArray) -> int:
+    """Full fingerprint of a bits array (patcher.fingerprint), an int in [0, 2**64)."""
+    b = _numpy(bits, "bits")
+    check_bits(b, "bits")
+    return _fingerprint(b)
