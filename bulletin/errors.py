@@ -29,6 +29,7 @@ __all__ = [
     "Conflict",
     "CorruptData",
     "DigestMismatch",
+    "EngineError",
     "FormatError",
     "IncompatibleTensors",
     "InvalidInput",
@@ -168,3 +169,15 @@ class AccessDenied(StorageUnavailable):
     """Credentials are missing or wrong, or the bucket does not exist."""
 
     code = "access_denied"
+
+
+# -- the serving engine ------------------------------------------------------------------
+
+
+class EngineError(BulletinError):
+    """The inference engine could not be reached, or refused or failed to load a version.
+
+    The version it served before stays the one reported; retry later or check the engine.
+    """
+
+    code = "engine_error"

@@ -136,8 +136,8 @@ def snapshot(state_dict: Mapping[str, Any], *, dtype: str = "BF16") -> Snapshot:
             served_name, array = _torch_bits(value, dtype)
         elif module.startswith("cupy"):
             served_name, array = _numpy_bits(value.get(), dtype)
-        elif isinstance(value, np.ndarray):
-            served_name, array = _numpy_bits(value, dtype)
+        elif isinstance(value, np.ndarray | np.generic):
+            served_name, array = _numpy_bits(np.asarray(value), dtype)
         else:
             raise InvalidInput(f"{name}: expected a torch tensor, NumPy or CuPy array, got {type(value).__name__}")
         if key is not None:

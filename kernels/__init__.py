@@ -1,1 +1,21 @@
-"""CuPy raw kernels and their NumPy twins (same signatures, same bits)."""
+"""CuPy raw kernels and their NumPy twins (same signatures, same bits).
+
+``backend_for(x)`` picks :mod:`kernels.numpy_twin` (NumPy arrays, CPU torch tensors) or
+:mod:`kernels.cuda` (CuPy arrays, CUDA torch tensors); ``as_bits(x)`` takes the zero-copy
+unsigned view of a tensor that both backends work on. Importing this package imports
+neither CuPy nor torch.
+"""
+
+from kernels.dispatch import Backend, as_bits, backend_for, dtype_name
+from kernels.types import BitsArray, DiffCast, IndexArray, IntArray
+
+__all__ = [
+    "Backend",
+    "BitsArray",
+    "DiffCast",
+    "IndexArray",
+    "IntArray",
+    "as_bits",
+    "backend_for",
+    "dtype_name",
+]

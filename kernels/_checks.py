@@ -7,19 +7,23 @@ same errors.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from bulletin.errors import IncompatibleTensors, InvalidInput
+from bulletin.errors import IncompatibleTensors, InvalidInput, WrongBase
 from patcher.cast import CastKind, cast_kind
 from patcher.dtypes import BITS_DTYPES, bits_dtype
+from patcher.patch import Patch
 
 __all__ = [
     "check_apply",
     "check_bits",
     "check_diff_cast",
+    "check_disjoint",
     "check_gaps",
+    "check_patch_targets",
 ]
 
 _INT64 = np.dtype(np.int64)
@@ -31,8 +35,7 @@ def check_bits(array: Any, what: str, *, dtype: str | None = None, writable: boo
     actual = array.dtype
     if expected is not None and actual != expected:
         raise InvalidInput(
-            f"{what}: {dtype} bits must be a {expected} array, got {actual} "
-            "(take a bits view with kernels.as_bits)"
+            f"{what}: {dtype} bits must be a {expected} array, got {actual} (take a bits view with kernels.as_bits)"
         )
     if expected is None and actual not in BITS_DTYPES.values():
         raise InvalidInput(f"{what}: expected an unsigned bits array, got {actual}")
@@ -49,10 +52,16 @@ def check_diff_cast(current: Any, kept: Any, current_dtype: str, served_dtype: s
     check_bits(current, "current", dtype=current_dtype)
     check_bits(kept, "kept", dtype=served_dtype, writable=True)
     if tuple(current.shape) != tuple(kept.shape):
-        raise IncompatibleTensors(
-            f"current has shape {tuple(current.shape)}, kept bits {tuple(kept.shape)}"
-        )
+        raise IncompatibleTensors(f"current has shape {tuple(current.shape)}, kept bits {tuple(kept.shape)}")
     return kind
+
+
+def check_disjoint(first: tuple[int, int], second: tuple[int, int], what: str) -> None:
+    """Two (address, nbytes) ranges do not overlap: a kernel that reads one while writing
+    the other in place would see half-updated data."""
+    (a, a_size), (b, b_size) = first, second
+    if a_size and b_size and a < b + b_size and b < a + a_size:
+        raise InvalidInput(f"{what} share memory")
 
 
 def check_gaps(gaps: Any, start: int) -> None:
@@ -69,12 +78,31 @@ def check_apply(bits: Any, indices: Any, delta: Any) -> None:
     """Arguments of ``apply_delta``, except the index values (each backend checks those)."""
     check_bits(bits, "bits", writable=True)
     if indices.dtype != _INT64 or indices.ndim != 1 or not indices.flags.c_contiguous:
-        raise InvalidInput(
-            f"indices must be a contiguous 1-d int64 array, got {indices.ndim}-d {indices.dtype}"
-        )
+        raise InvalidInput(f"indices must be a contiguous 1-d int64 array, got {indices.ndim}-d {indices.dtype}")
     if delta.dtype != bits.dtype or delta.ndim != 1 or not delta.flags.c_contiguous:
-        raise InvalidInput(
-            f"delta must be a contiguous 1-d {bits.dtype} array, got {delta.ndim}-d {delta.dtype}"
-        )
+        raise InvalidInput(f"delta must be a contiguous 1-d {bits.dtype} array, got {delta.ndim}-d {delta.dtype}")
     if delta.size != indices.size:
         raise InvalidInput(f"{indices.size} indices but {delta.size} deltas")
+
+
+def check_patch_targets(patch: Patch, tensors: Mapping[str, Any], fingerprints: Mapping[str, int]) -> None:
+    """The holder's arrays match the patch's layout and its base fingerprints.
+
+    ``tensors`` must hold exactly the patch's tensors (``IncompatibleTensors``), each a
+    writable C-contiguous bits array of the spec's width and shape, and ``fingerprints``
+    the base fingerprint of each (``WrongBase`` otherwise).
+    """
+    if tensors.keys() != patch.tensors.keys():
+        missing = sorted(patch.tensors.keys() - tensors.keys())[:5]
+        extra = sorted(tensors.keys() - patch.tensors.keys())[:5]
+        raise IncompatibleTensors(f"tensor sets differ: missing {missing}, unexpected {extra}")
+    for name, td in patch.tensors.items():
+        array = tensors[name]
+        check_bits(array, name, dtype=td.spec.dtype, writable=True)
+        if tuple(array.shape) != td.spec.shape:
+            raise IncompatibleTensors(f"{name}: patch has shape {td.spec.shape}, array {tuple(array.shape)}")
+    for name, td in patch.tensors.items():
+        held = fingerprints.get(name)
+        if held != td.base_fingerprint:
+            shown = "unknown" if held is None else f"{held:016x}"
+            raise WrongBase(f"{name}: patch expects base {td.base_fingerprint:016x}, holder has {shown}")

@@ -34,64 +34,82 @@ struct Batch {
       sizeof(S) + sizeof(D) <= 6 ? 4 : (sizeof(S) + sizeof(D) <= 8 ? 2 : 1);
 };
 
-template <typename S, typename D, typename Op>
-__device__ __forceinline__ void diff_mark(const S* __restrict__ cur, const D* __restrict__ kept,
-                                          u64 n, u32 shift, int cur_vec, u8* __restrict__ mask,
-                                          u32* __restrict__ counts) {
+// Change bits of tiles that lie wholly inside the tensor (all but at most two): every
+// group is eight elements, vector-aligned in `kept` (and in `cur` when kCurVec).
+template <bool kCurVec, typename S, typename D, typename Op>
+__device__ __forceinline__ u32 mark_interior(const S* __restrict__ cur, const D* __restrict__ kept,
+                                             u64 first, u32 shift, u8* __restrict__ mask) {
   constexpr int kBatch = Batch<S, D>::value;
-  const u64 nv = n + shift;
-  const u64 groups = (nv + 7) / 8;
-  const u64 tile = blockIdx.x;
-  const u64 first = tile * kTileGroups + threadIdx.x;
   u32 count = 0;
-
 #pragma unroll
   for (int b = 0; b < kItems; b += kBatch) {
     Vec8<D> kv[kBatch];
     Vec8<S> cv[kBatch];
-    bool full[kBatch];
     // Issue every load of the batch before any compare, so that they overlap.
 #pragma unroll
     for (int s = 0; s < kBatch; ++s) {
-      const u64 g = first + static_cast<u64>(b + s) * kBlock;
-      const u64 v0 = g * 8;
-      full[s] = g < groups && v0 >= shift && v0 + 8 <= nv;
-      if (full[s]) {
-        const u64 i0 = v0 - shift;
-        kv[s] = load8(kept + i0);
-        if (cur_vec) {
-          cv[s] = load8(cur + i0);
-        } else {
+      const u64 i0 = (first + static_cast<u64>(b + s) * kBlock) * 8 - shift;
+      kv[s] = load8(kept + i0);
+      if (kCurVec) {
+        cv[s] = load8(cur + i0);
+      } else {
 #pragma unroll
-          for (int j = 0; j < 8; ++j) cv[s].v[j] = cur[i0 + j];
-        }
+        for (int j = 0; j < 8; ++j) cv[s].v[j] = cur[i0 + j];
       }
     }
 #pragma unroll
     for (int s = 0; s < kBatch; ++s) {
-      const u64 g = first + static_cast<u64>(b + s) * kBlock;
-      const u64 v0 = g * 8;
       u32 m = 0;
-      if (full[s]) {
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          m |= static_cast<u32>(static_cast<D>(Op::apply(cv[s].v[j])) != kv[s].v[j]) << j;
-        }
-      } else if (g < groups) {
-        // The first and the last group of the tensor: some positions are not elements.
-        for (int j = 0; j < 8; ++j) {
-          const u64 v = v0 + j;
-          if (v >= shift && v < nv) {
-            const u64 i = v - shift;
-            m |= static_cast<u32>(static_cast<D>(Op::apply(cur[i])) != kept[i]) << j;
-          }
-        }
+      for (int j = 0; j < 8; ++j) {
+        m |= static_cast<u32>(static_cast<D>(Op::apply(cv[s].v[j])) != kv[s].v[j]) << j;
       }
-      // Groups past the end of the tensor but inside the last tile get a zero byte, so
-      // that pass 2 can read whole words without bounds checks.
-      mask[g] = static_cast<u8>(m);
+      mask[first + static_cast<u64>(b + s) * kBlock] = static_cast<u8>(m);
       count += __popc(m);
     }
+  }
+  return count;
+}
+
+// Change bits of the first and the last tile, element by element: their groups may hold
+// positions before the first element (v < shift) or past the last (v >= n + shift).
+// Groups past the end still get a zero byte, so pass 2 reads whole words unchecked.
+template <typename S, typename D, typename Op>
+__device__ __forceinline__ u32 mark_edge(const S* __restrict__ cur, const D* __restrict__ kept,
+                                         u64 first, u32 shift, u64 nv, u8* __restrict__ mask) {
+  u32 count = 0;
+  for (int step = 0; step < kItems; ++step) {
+    const u64 g = first + static_cast<u64>(step) * kBlock;
+    u32 m = 0;
+    for (int j = 0; j < 8; ++j) {
+      const u64 v = g * 8 + j;
+      if (v >= shift && v < nv) {
+        const u64 i = v - shift;
+        m |= static_cast<u32>(static_cast<D>(Op::apply(cur[i])) != kept[i]) << j;
+      }
+    }
+    mask[g] = static_cast<u8>(m);
+    count += __popc(m);
+  }
+  return count;
+}
+
+template <typename S, typename D, typename Op>
+__device__ __forceinline__ void diff_mark(const S* __restrict__ cur, const D* __restrict__ kept,
+                                          u64 n, u32 shift, int cur_vec, u8* __restrict__ mask,
+                                          u32* __restrict__ counts) {
+  const u64 nv = n + shift;
+  const u64 tile = blockIdx.x;
+  const u64 tile_v0 = tile * kTileGroups * 8;
+  const u64 first = tile * kTileGroups + threadIdx.x;
+  // Block-uniform branches: no divergence, and the interior path carries no edge logic
+  // (nor its registers).
+  u32 count;
+  if (tile_v0 >= shift && tile_v0 + kTileGroups * 8 <= nv) {
+    count = cur_vec ? mark_interior<true, S, D, Op>(cur, kept, first, shift, mask)
+                    : mark_interior<false, S, D, Op>(cur, kept, first, shift, mask);
+  } else {
+    count = mark_edge<S, D, Op>(cur, kept, first, shift, nv, mask);
   }
   const u64 total = block_sum(count);
   if (threadIdx.x == 0) counts[tile] = static_cast<u32>(total);

@@ -10,6 +10,7 @@ or a CuPy array if its module is already loaded.
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Final, Protocol, cast
 
@@ -18,6 +19,7 @@ import numpy as np
 from bulletin.errors import InvalidInput, UnsupportedDtype
 from kernels.types import BitsArray, DiffCast, IndexArray, IntArray
 from patcher.dtypes import BITS_DTYPES
+from patcher.patch import Patch
 
 if TYPE_CHECKING:
     import torch
@@ -30,9 +32,7 @@ class Backend(Protocol):
 
     def cast(self, current: BitsArray, current_dtype: str, served_dtype: str) -> BitsArray: ...
 
-    def diff_cast(
-        self, current: BitsArray, kept: BitsArray, *, current_dtype: str, served_dtype: str
-    ) -> DiffCast: ...
+    def diff_cast(self, current: BitsArray, kept: BitsArray, *, current_dtype: str, served_dtype: str) -> DiffCast: ...
 
     def decode_gaps(self, gaps: IntArray, start: int = 0) -> IndexArray: ...
 
@@ -40,9 +40,14 @@ class Backend(Protocol):
 
     def fingerprint(self, bits: BitsArray) -> int: ...
 
+    def apply(
+        self, patch: Patch, tensors: Mapping[str, BitsArray], fingerprints: Mapping[str, int]
+    ) -> dict[str, int]: ...
 
-#: torch dtype name (``str(torch.float32)`` without the prefix) -> safetensors name.
-_TORCH_NAMES: Final = {
+
+#: torch / NumPy / CuPy dtype name (``torch.`` prefix removed) -> safetensors name.
+#: NumPy's bfloat16 and float8 names are ml_dtypes' (the same as torch's).
+_DTYPE_NAMES: Final = {
     "bool": "BOOL",
     "uint8": "U8",
     "int8": "I8",
@@ -59,9 +64,6 @@ _TORCH_NAMES: Final = {
     "int64": "I64",
     "float64": "F64",
 }
-
-#: NumPy/CuPy dtype name -> safetensors name (ml_dtypes' names included).
-_NUMPY_NAMES: Final = {**_TORCH_NAMES, "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}
 
 
 def _loaded(module: str) -> Any:
@@ -111,16 +113,11 @@ def dtype_name(array: object) -> str:
     NumPy and CuPy have no bfloat16, so their 2-byte unsigned arrays read as ``U16``:
     pass the dtype explicitly when the array holds bits of another type.
     """
-    if _is_torch_tensor(array):
-        name = str(array.dtype).removeprefix("torch.")  # type: ignore[attr-defined]
-        table = _TORCH_NAMES
-    elif isinstance(array, np.ndarray) or _is_cupy_array(array):
-        name = str(array.dtype)  # type: ignore[attr-defined]
-        table = _NUMPY_NAMES
-    else:
+    if not (_is_torch_tensor(array) or isinstance(array, np.ndarray) or _is_cupy_array(array)):
         raise InvalidInput(f"not a tensor or array: {type(array).__name__}")
+    name = str(array.dtype).removeprefix("torch.")  # type: ignore[attr-defined]
     try:
-        return table[name]
+        return _DTYPE_NAMES[name]
     except KeyError:
         raise UnsupportedDtype(f"dtype {name} cannot be carried bit-exactly") from None
 

@@ -9,21 +9,31 @@ O(chunk + changed elements), never the size of the tensor.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Final
 
 import numpy as np
 from numpy.typing import NDArray
 
 from bulletin.errors import InvalidInput
-from kernels._checks import check_apply, check_bits, check_diff_cast, check_gaps
+from kernels._checks import (
+    check_apply,
+    check_bits,
+    check_diff_cast,
+    check_disjoint,
+    check_gaps,
+    check_patch_targets,
+)
 from kernels.types import BitsArray, DiffCast, IndexArray, IntArray
+from patcher.apply import apply as _apply_patch
 from patcher.cast import cast_bits
 from patcher.diff import diff_bits
 from patcher.dtypes import bits_dtype
 from patcher.fingerprint import fingerprint as _fingerprint
 from patcher.fingerprint import fingerprint_delta
+from patcher.patch import Patch
 
-__all__ = ["CHUNK_ELEMENTS", "apply_delta", "cast", "decode_gaps", "diff_cast", "fingerprint"]
+__all__ = ["CHUNK_ELEMENTS", "apply", "apply_delta", "cast", "decode_gaps", "diff_cast", "fingerprint"]
 
 #: Elements per step of diff_cast and apply_delta.
 CHUNK_ELEMENTS: Final = 1 << 20
@@ -33,9 +43,7 @@ _MASK64: Final = (1 << 64) - 1
 
 def _numpy(array: object, what: str) -> NDArray[Any]:
     if not isinstance(array, np.ndarray):
-        raise InvalidInput(
-            f"{what}: the NumPy backend needs a numpy.ndarray, got {type(array).__name__}"
-        )
+        raise InvalidInput(f"{what}: the NumPy backend needs a numpy.ndarray, got {type(array).__name__}")
     return array
 
 
@@ -46,9 +54,7 @@ def cast(current: BitsArray, current_dtype: str, served_dtype: str) -> BitsArray
     return cast_bits(src, current_dtype, served_dtype)
 
 
-def diff_cast(
-    current: BitsArray, kept: BitsArray, *, current_dtype: str, served_dtype: str
-) -> DiffCast:
+def diff_cast(current: BitsArray, kept: BitsArray, *, current_dtype: str, served_dtype: str) -> DiffCast:
     """Cast ``current`` to the served dtype, diff it against ``kept``, and update ``kept``.
 
     ``current`` holds the bits of the trainer's weights (``current_dtype``: ``F32``
@@ -59,6 +65,7 @@ def diff_cast(
     """
     cur, old = _numpy(current, "current"), _numpy(kept, "kept")
     kind = check_diff_cast(cur, old, current_dtype, served_dtype)
+    check_disjoint((cur.ctypes.data, cur.nbytes), (old.ctypes.data, old.nbytes), "current and kept")
     cur_flat, kept_flat = cur.reshape(-1), old.reshape(-1)
     served = bits_dtype(served_dtype)
     buffer = np.empty(min(cur_flat.size, CHUNK_ELEMENTS), dtype=served)
@@ -86,16 +93,18 @@ def diff_cast(
 
 
 def decode_gaps(gaps: IntArray, start: int = 0) -> IndexArray:
-    """Indices from index gaps: ``indices[k] = start + gaps[0] + ... + gaps[k]`` (int64).
+    """Indices of a codec entry from its decoded index gaps (int64).
 
-    The gaps come from the codec's entropy decoder, which has checked them (their sum
-    stays below the tensor's size); ``apply_delta`` checks the resulting indices again.
+    The convention is the codec's (docs/FORMAT.md, ``patcher.streams``): for an entry
+    covering elements ``[start, stop)``, ``gaps[0] = indices[0] - start + 1`` and
+    ``gaps[k] = indices[k] - indices[k-1]``, so ``indices = start - 1 + cumsum(gaps)``.
+    The gaps come from the codec's entropy decoder, which checked them (all >= 1, sum
+    within the entry); ``apply_delta`` checks the resulting indices again.
     """
     g = _numpy(gaps, "gaps")
     check_gaps(g, start)
     indices = np.cumsum(g, dtype=np.int64)
-    if start:
-        indices += start
+    indices += start - 1
     return indices
 
 
@@ -135,3 +144,16 @@ def fingerprint(bits: BitsArray) -> int:
     b = _numpy(bits, "bits")
     check_bits(b, "bits")
     return _fingerprint(b)
+
+
+def apply(patch: Patch, tensors: Mapping[str, BitsArray], fingerprints: Mapping[str, int]) -> dict[str, int]:
+    """Apply a whole patch in place to NumPy bits arrays (``patcher.apply.apply``).
+
+    ``tensors`` maps every tensor of the patch, and nothing else, to its bits array;
+    ``fingerprints`` holds their current fingerprints. Layout and base fingerprints are
+    checked first, as on the GPU; then the codec applies, verifies every target and
+    restores everything if one fails. Returns the new fingerprints.
+    """
+    arrays = {name: _numpy(array, name) for name, array in tensors.items()}
+    check_patch_targets(patch, arrays, fingerprints)
+    return _apply_patch(patch, arrays, fingerprints)

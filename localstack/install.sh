@@ -37,7 +37,9 @@ fi
 echo "localstack: installing into $venv"
 rm -rf "$venv"
 "$python" -m venv "$venv"
-"$venv/bin/python" -m pip install --quiet --disable-pip-version-check -r "$requirements"
+# pip on these machines lists every local index folder it skips: keep the log readable.
+"$venv/bin/python" -m pip install --quiet --disable-pip-version-check -r "$requirements" \
+    2> >(grep -v 'is ignored: it is neither a file nor a directory' >&2)
 # Import the entry point now, so that a broken install fails here and not at start.
 "$venv/bin/python" -c 'import localstack.runtime.main' >/dev/null
 echo "$want" >"$stamp"

@@ -156,9 +156,7 @@ def cast_bits(
         or not out.flags.c_contiguous
         or not out.flags.writeable
     ):
-        raise InvalidInput(
-            f"out must be a writable C-contiguous {dst_dtype} array of shape {bits.shape}"
-        )
+        raise InvalidInput(f"out must be a writable C-contiguous {dst_dtype} array of shape {bits.shape}")
     src, dst = bits.reshape(-1), out.reshape(-1)
     if kind == "identity":
         dst[...] = src

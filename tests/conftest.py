@@ -73,9 +73,9 @@ def s3_bucket(s3_endpoint: str) -> Iterator[str]:
         yield name
     finally:
         for page in client.get_paginator("list_objects_v2").paginate(Bucket=name):
-            keys = [{"Key": obj["Key"]} for obj in page.get("Contents", ())]
+            keys = [obj["Key"] for obj in page.get("Contents", ())]
             if keys:
-                client.delete_objects(Bucket=name, Delete={"Objects": keys, "Quiet": True})
+                client.delete_objects(Bucket=name, Delete={"Objects": [{"Key": k} for k in keys], "Quiet": True})
         client.delete_bucket(Bucket=name)
         client.close()
 

@@ -89,7 +89,8 @@ if serve_command is not None:
 def main(argv: list[str] | None = None) -> int:
     """Console entry point; returns the exit status."""
     try:
-        cli.main(args=argv, prog_name="bulletin", standalone_mode=False)
+        # Without standalone mode click returns a command's `Exit` code instead of exiting.
+        result = cli.main(args=argv, prog_name="bulletin", standalone_mode=False)
     except BulletinError as exc:
         if os.environ.get("BULLETIN_DEBUG"):
             raise
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)
         return 130
-    return 0
+    return result if isinstance(result, int) else 0
 
 
 if __name__ == "__main__":  # pragma: no cover

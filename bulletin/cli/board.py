@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from dataclasses import asdict
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -186,7 +187,7 @@ def log_command(store: str, run: str, limit: int | None, as_json: bool) -> None:
             pct = f"{100 * e.changed_fraction:.3f}" if e.changed_fraction is not None else "-"
             click.echo(f"{e.version:>8}  {e.kind:<15} {human_bytes(size):>12} {pct:>10} {_age(e.created_at):>7}")
 
-    emit([e.__dict__ | {"changed_fraction": e.changed_fraction} for e in entries], human)
+    emit([asdict(e) | {"changed_fraction": e.changed_fraction} for e in entries], human)
 
 
 @click.command("status")

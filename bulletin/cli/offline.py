@@ -19,7 +19,7 @@ from bulletin.checkpoint import Checkpoint, safetensors_bytes, write_checkpoint
 from bulletin.cli.output import emit, human_bytes, json_option
 from bulletin.errors import InvalidInput, WrongBase
 from patcher.apply import apply as apply_patch
-from patcher.decode import decode
+from patcher.decode import decode, read_shard_header
 from patcher.diff import diff
 from patcher.encode import encode
 from patcher.fingerprint import fingerprint, format_fingerprint
@@ -39,8 +39,15 @@ def _write_file_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def patch_summary(patch: Patch, encoded_bytes: int) -> dict[str, Any]:
-    """Per-tensor and total figures of a patch, as ``inspect --json`` prints them."""
+def patch_summary(patch: Patch, data: bytes) -> dict[str, Any]:
+    """Per-tensor and total figures of a one-shard patch, as ``inspect --json`` prints them.
+
+    A tensor's ``bytes`` are its compressed streams; the rest of the file is the header.
+    """
+    stream_bytes: dict[str, int] = {}
+    for entry in read_shard_header(data).entries:
+        stream_bytes[entry.tensor] = stream_bytes.get(entry.tensor, 0) + entry.gaps.length + entry.deltas.length
+    encoded_bytes = len(data)
     tensors = [
         {
             "name": td.spec.name,
@@ -48,6 +55,7 @@ def patch_summary(patch: Patch, encoded_bytes: int) -> dict[str, Any]:
             "shape": list(td.spec.shape),
             "changed_elements": td.changed,
             "total_elements": td.spec.numel,
+            "bytes": stream_bytes.get(td.spec.name, 0),
             "base_fingerprint": format_fingerprint(td.base_fingerprint),
             "target_fingerprint": format_fingerprint(td.target_fingerprint),
         }
@@ -85,7 +93,7 @@ def diff_command(old: Path, new: Path, output: Path, codec: str, as_json: bool) 
         patch = diff(specs, {n: a.bits(n) for n in specs}, {n: b.bits(n) for n in specs})
         (data,) = encode(patch, max_shard_bytes=_ONE_SHARD, codec=codec)
     _write_file_atomic(output, data)
-    summary = patch_summary(patch, len(data)) | {"output": str(output), "seconds": time.perf_counter() - t0}
+    summary = patch_summary(patch, data) | {"output": str(output), "seconds": time.perf_counter() - t0}
 
     def human() -> None:
         click.echo(
@@ -150,7 +158,7 @@ def apply_command(base: Path, patch_file: Path, output: Path, as_json: bool) -> 
 def inspect_command(patch_file: Path, top: int, as_json: bool) -> None:
     """Show what a patch file changes, per tensor and in total."""
     data = patch_file.read_bytes()
-    summary = patch_summary(decode([data]), len(data))
+    summary = patch_summary(decode([data]), data)
 
     def human() -> None:
         click.echo(
@@ -159,12 +167,12 @@ def inspect_command(patch_file: Path, top: int, as_json: bool) -> None:
         )
         rows = sorted(summary["tensors"], key=lambda t: -t["changed_elements"])[:top]
         width = max((len(t["name"]) for t in rows), default=4)
-        click.echo(f"{'tensor':<{width}}  {'dtype':<7} {'changed':>12} {'total':>14} {'%':>8}")
+        click.echo(f"{'tensor':<{width}}  {'dtype':<7} {'changed':>12} {'total':>14} {'%':>8} {'bytes':>10}")
         for t in rows:
             pct = 100 * t["changed_elements"] / t["total_elements"] if t["total_elements"] else 0.0
             click.echo(
                 f"{t['name']:<{width}}  {t['dtype']:<7} {t['changed_elements']:>12,} "
-                f"{t['total_elements']:>14,} {pct:>8.3f}"
+                f"{t['total_elements']:>14,} {pct:>8.3f} {t['bytes']:>10,}"
             )
 
     emit(summary, human)

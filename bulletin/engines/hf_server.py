@@ -26,7 +26,7 @@ import json
 import secrets
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
@@ -96,9 +96,7 @@ def greedy_generate(
             alternatives: dict[int, float] = {}
             if top_logprobs:
                 values, indices = torch.topk(logprobs, top_logprobs)
-                alternatives = {
-                    int(i): float(v) for i, v in zip(indices.tolist(), values.tolist(), strict=True)
-                }
+                alternatives = {int(i): float(v) for i, v in zip(indices.tolist(), values.tolist(), strict=True)}
             result.token_ids.append(token)
             result.logprobs.append(value)
             result.top_logprobs.append(alternatives)
@@ -123,9 +121,7 @@ class _Request:
 
 
 def _int_list(value: object, what: str) -> list[int]:
-    if not isinstance(value, list) or not all(
-        isinstance(v, int) and not isinstance(v, bool) for v in value
-    ):
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
         raise InvalidInput(f"{what} must be a list of integer token ids")
     return list(value)
 
@@ -202,45 +198,48 @@ class CompletionServer:
             }
         )
 
-    async def _stream(
-        self, request: web.Request, req: _Request, ident: str, created: int
-    ) -> web.StreamResponse:
-        response = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-        )
+    async def _stream(self, request: web.Request, req: _Request, ident: str, created: int) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
-        loop = asyncio.get_running_loop()
 
         async def send(payload: dict[str, Any]) -> None:
             await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
 
         async with self._slots:
             for index, prompt in enumerate(req.prompts):
-                queue: asyncio.Queue[tuple[int, float, dict[int, float]] | None] = asyncio.Queue()
-                closed = threading.Event()
-
-                def on_token(token: int, lp: float, alts: dict[int, float]) -> bool:
-                    loop.call_soon_threadsafe(queue.put_nowait, (token, lp, alts))
-                    return not closed.is_set()  # the client went away: stop generating
-
-                task = asyncio.ensure_future(asyncio.to_thread(self._generate, req, prompt, on_token))
-                task.add_done_callback(lambda _: loop.call_soon(queue.put_nowait, None))
-                try:
-                    while (item := await queue.get()) is not None:
-                        token, lp, alts = item
-                        one = Completion([token], [lp], [alts], "")
-                        chunk = _choice(index, one, req.logprobs)
-                        chunk["finish_reason"] = None
-                        await send(_chunk(ident, created, req.model, chunk))
-                finally:
-                    # Keep the slot until the model is free again, even if the client left.
-                    closed.set()
-                    completion = await task
-                final = _choice(index, Completion(finish_reason=completion.finish_reason), None)
-                await send(_chunk(ident, created, req.model, final))
+                await self._stream_one(req, prompt, index, lambda c: send(_chunk(ident, created, req.model, c)))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
+
+    async def _stream_one(
+        self,
+        req: _Request,
+        prompt: list[int],
+        index: int,
+        send: Callable[[dict[str, Any]], Awaitable[None]],
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[tuple[int, float, dict[int, float]] | None] = asyncio.Queue()
+        closed = threading.Event()
+
+        def on_token(token: int, lp: float, alts: dict[int, float]) -> bool:
+            loop.call_soon_threadsafe(queue.put_nowait, (token, lp, alts))
+            return not closed.is_set()  # the client went away: stop generating
+
+        task = asyncio.ensure_future(asyncio.to_thread(self._generate, req, prompt, on_token))
+        task.add_done_callback(lambda _: loop.call_soon(queue.put_nowait, None))
+        try:
+            while (item := await queue.get()) is not None:
+                token, lp, alts = item
+                chunk = _choice(index, Completion([token], [lp], [alts], ""), req.logprobs)
+                chunk["finish_reason"] = None
+                await send(chunk)
+        finally:
+            # Keep the slot until the model is free again, even if the client left.
+            closed.set()
+            completion = await task
+        await send(_choice(index, Completion(finish_reason=completion.finish_reason), None))
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -263,9 +262,7 @@ class CompletionServer:
         if not isinstance(body, dict):
             raise InvalidInput("request body must be a JSON object")
         prompt = body.get("prompt")
-        if isinstance(prompt, str) or (
-            isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt)
-        ):
+        if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt)):
             raise InvalidInput("this server takes token ids as prompt; it has no tokenizer")
         if isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
             prompts = [_int_list(p, "prompt") for p in prompt]
@@ -286,9 +283,7 @@ class CompletionServer:
                 raise InvalidInput(f"{key} is not supported by this server")
         logprobs = body.get("logprobs")
         if logprobs is not None and (
-            not isinstance(logprobs, int)
-            or isinstance(logprobs, bool)
-            or not 0 <= logprobs <= MAX_LOGPROBS
+            not isinstance(logprobs, int) or isinstance(logprobs, bool) or not 0 <= logprobs <= MAX_LOGPROBS
         ):
             raise InvalidInput(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or null")
         stops = body.get("stop_token_ids") or []
@@ -308,8 +303,7 @@ class CompletionServer:
             raise InvalidInput(f"token ids must be in [0, {self.vocab_size})")
         if self.max_positions is not None and len(prompt) + max_tokens > self.max_positions:
             raise InvalidInput(
-                f"prompt ({len(prompt)}) + max_tokens ({max_tokens}) exceeds the model's "
-                f"{self.max_positions} positions"
+                f"prompt ({len(prompt)}) + max_tokens ({max_tokens}) exceeds the model's {self.max_positions} positions"
             )
 
 
@@ -329,9 +323,7 @@ def _choice(index: int, completion: Completion, logprobs: int | None) -> dict[st
         choice["logprobs"] = {
             "tokens": [_token_name(t) for t in completion.token_ids],
             "token_logprobs": completion.logprobs,
-            "top_logprobs": [
-                {_token_name(t): v for t, v in alts.items()} for alts in completion.top_logprobs
-            ]
+            "top_logprobs": [{_token_name(t): v for t, v in alts.items()} for alts in completion.top_logprobs]
             if logprobs
             else None,
             "text_offset": [0] * len(completion.token_ids),

@@ -8,10 +8,10 @@ changes the changed elements of the very storage the forward pass reads, so the 
 an update causes is proportional to the number of changed elements, not to the model.
 
 - CPU tensors are patched through zero-copy NumPy views of their bits
-  (``tensor.view(torch.uint8).numpy().view(np.uint16)`` for BF16) with the NumPy
-  codec (:func:`patcher.apply.apply`).
-- CUDA tensors are patched by the CUDA kernels (:mod:`kernels`) on zero-copy bits views
-  of the same storage; the NumPy twin and the kernels produce the same bits.
+  (``tensor.view(torch.uint16).numpy()`` for BF16) by the NumPy twin of the kernels;
+- CUDA tensors are patched by the CUDA kernels on zero-copy CuPy views of the same
+  storage (:func:`kernels.dispatch.as_bits`, :func:`kernels.dispatch.backend_for`);
+  the two produce the same bits and the same fingerprints.
 
 Tied weights (``lm_head.weight`` and ``model.embed_tokens.weight`` sharing storage)
 appear under several names in a module but are served once, under the name that
@@ -30,13 +30,22 @@ from typing import TYPE_CHECKING, Any, ClassVar, Final
 import numpy as np
 from numpy.typing import NDArray
 
-from bulletin.errors import IncompatibleTensors, InvalidInput, UnsupportedDtype
-from patcher.fingerprint import fingerprint
+from bulletin.errors import (
+    CorruptData,
+    IncompatibleTensors,
+    InvalidInput,
+    UnsupportedDtype,
+    VerificationFailed,
+    WrongBase,
+)
+from patcher.fingerprint import format_fingerprint
 from patcher.names import check_tensor_name
 from patcher.patch import Patch, TensorDelta, TensorSpec
 
 if TYPE_CHECKING:
     import torch
+
+    from kernels.dispatch import Backend
 
 __all__ = [
     "TORCH_DTYPE_NAMES",
@@ -48,6 +57,7 @@ __all__ = [
 ]
 
 Bits = NDArray[np.unsignedinteger]
+_MASK64: Final = (1 << 64) - 1
 
 #: ``str(torch.dtype)`` -> safetensors dtype name, for the dtypes Bulletin carries.
 TORCH_DTYPE_NAMES: Final[dict[str, str]] = {
@@ -181,12 +191,7 @@ def _direct_view(param: torch.Tensor | None, spec: TensorSpec) -> torch.Tensor |
     shape = tuple(param.shape)
     if shape == spec.shape:
         return param.detach()
-    if (
-        spec.shape
-        and len(shape) == len(spec.shape)
-        and shape[1:] == spec.shape[1:]
-        and shape[0] >= spec.shape[0]
-    ):
+    if spec.shape and len(shape) == len(spec.shape) and shape[1:] == spec.shape[1:] and shape[0] >= spec.shape[0]:
         flat = _flat(param)  # a vocabulary padded at the end: the served rows come first
         return None if flat is None else flat[: spec.numel].view(spec.shape)
     return None
@@ -221,51 +226,59 @@ def _packed_view(
     return None
 
 
+class _Slot:
+    """One served tensor: the live tensor, its bits view, and the backend that patches it."""
+
+    __slots__ = ("backend", "bits", "device", "spec", "tensor")
+
+    def __init__(self, tensor: torch.Tensor, spec: TensorSpec) -> None:
+        from kernels.dispatch import as_bits, backend_for
+
+        self.tensor = tensor
+        self.spec = spec
+        self.bits: Any = as_bits(tensor)  # NumPy view (CPU) or CuPy view (CUDA), zero-copy
+        self.backend: Backend = backend_for(self.bits)
+        self.device = tensor.device
+
+    def to_device(self, array: NDArray[Any]) -> Any:
+        """``array`` where the backend can read it (host arrays go to the tensor's GPU)."""
+        if self.device.type == "cpu":
+            return array
+        import cupy
+
+        with cupy.cuda.Device(self.device.index):
+            return cupy.asarray(array)
+
+    def add(self, indices: NDArray[np.int64], delta: NDArray[np.unsignedinteger]) -> int:
+        """Add ``delta`` at ``indices`` in place; the fingerprint change (mod 2**64)."""
+        return self.backend.apply_delta(self.bits, self.to_device(indices), self.to_device(delta))
+
+    def fingerprint(self) -> int:
+        return self.backend.fingerprint(self.bits)
+
+    def overwrite(self, source: NDArray[np.unsignedinteger]) -> None:
+        if self.device.type == "cpu":
+            np.copyto(self.bits, source.reshape(self.spec.shape), casting="no")
+            return
+        import torch
+
+        host = torch.from_numpy(np.ascontiguousarray(source).reshape(-1).view(np.uint8))
+        self.tensor.reshape(-1).view(torch.uint8).copy_(host)
+
+
+def _negate(delta: NDArray[np.unsignedinteger]) -> NDArray[np.unsignedinteger]:
+    # (-d) mod 2**bits without overflow: d != 0 in a patch, so ~d + 1 <= the dtype's max.
+    return (~delta + delta.dtype.type(1)).astype(delta.dtype, copy=False)
+
+
 def inverse_patch(patch: Patch) -> Patch:
     """The patch that undoes ``patch``: negated deltas, fingerprints swapped."""
-    inverse: dict[str, TensorDelta] = {}
-    for name, td in patch.tensors.items():
-        # (-d) mod 2**bits, written so that it cannot overflow: d != 0 so ~d + 1 <= max.
-        negated = (~td.delta + td.delta.dtype.type(1)).astype(td.delta.dtype, copy=False)
-        inverse[name] = TensorDelta(
-            td.spec, td.indices, negated, td.target_fingerprint, td.base_fingerprint
-        )
-    return Patch(inverse)
-
-
-def _numpy_bits(tensor: torch.Tensor, spec: TensorSpec) -> Bits:
-    import torch
-
-    # Zero-copy: the byte view of the flat tensor, reinterpreted as the bits dtype.
-    raw = tensor.reshape(-1).view(torch.uint8).numpy()
-    return raw.view(spec.bits_dtype).reshape(spec.shape)
-
-
-class _CudaBits:
-    """The CUDA side of a target: bits views and kernels, imported only when used."""
-
-    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        try:
-            import kernels
-
-            self._as_bits: Callable[[Any], Any] = kernels.as_bits  # type: ignore[attr-defined]
-            self._backend: Callable[[Any], Any] = kernels.backend_for  # type: ignore[attr-defined]
-        except (ImportError, AttributeError) as exc:
-            raise UnsupportedDtype(
-                "CUDA tensors need the kernels package (kernels.as_bits, kernels.backend_for)"
-            ) from exc
-        self.bits = {name: self._as_bits(t) for name, t in tensors.items()}
-
-    def apply(self, patch: Patch, fingerprints: Mapping[str, int]) -> dict[str, int]:
-        first = next(iter(self.bits.values()))
-        result: dict[str, int] = self._backend(first).apply(patch, self.bits, fingerprints)
-        return result
-
-    def fingerprints(self) -> dict[str, int]:
-        if not self.bits:
-            return {}
-        backend = self._backend(next(iter(self.bits.values())))
-        return {name: int(backend.fingerprint(bits)) for name, bits in self.bits.items()}
+    return Patch(
+        {
+            name: TensorDelta(td.spec, td.indices, _negate(td.delta), td.target_fingerprint, td.base_fingerprint)
+            for name, td in patch.tensors.items()
+        }
+    )
 
 
 class TorchTarget:
@@ -275,11 +288,13 @@ class TorchTarget:
     CPU or CUDA, in the served dtype). ``on_activate`` is called with each version made
     live, after the bits are verified (an engine hook, a log line).
 
-    An apply checks every base fingerprint before it writes anything and restores the
-    old bits if the result does not verify; until :meth:`activate` it also keeps the
+    An apply checks every base fingerprint before it writes anything, adds the deltas
+    through :func:`kernels.backend_for` (the NumPy twin for CPU tensors, the CUDA
+    kernels for GPU ones), and takes everything back if a tensor does not land on its
+    target fingerprint (``VerificationFailed``). Until :meth:`activate` it keeps the
     inverse patch, so :meth:`abort` can put the previous version back if the caller
-    decides not to activate. Callers must keep requests off the tensors while they
-    change (the sidecar's activation gate does).
+    decides not to activate. Callers keep requests off the tensors while they change
+    (the sidecar's activation gate does).
     """
 
     #: Live weights change during ``load_full`` and ``apply``, not only at ``activate``.
@@ -298,8 +313,7 @@ class TorchTarget:
             raise InvalidInput("a TorchTarget needs at least one tensor")
         self.aliases: dict[str, str] = dict(aliases or {})
         self._on_activate = on_activate
-        self._tensors: dict[str, torch.Tensor] = {}
-        self._specs: dict[str, TensorSpec] = {}
+        self._slots: dict[str, _Slot] = {}
         for name, tensor in tensors.items():
             check_tensor_name(name)
             if tensor.layout != torch.strided:
@@ -308,15 +322,10 @@ class TorchTarget:
                 raise IncompatibleTensors(f"{name}: tensors on {tensor.device} are not supported")
             if not tensor.is_contiguous():
                 raise IncompatibleTensors(f"{name}: tensor is not contiguous; patch its storage instead")
-            self._specs[name] = TensorSpec(
-                name, _dtype_name(tensor, name), tuple(int(d) for d in tensor.shape)
-            )
-            self._tensors[name] = tensor.detach()
-        self._cpu = {n: _numpy_bits(t, self._specs[n]) for n, t in self._tensors.items() if t.device.type == "cpu"}
-        cuda = {n: t for n, t in self._tensors.items() if t.device.type == "cuda"}
-        self._cuda = _CudaBits(cuda) if cuda else None
-        self._undo: Patch | None = None
-        self._undo_fingerprints: dict[str, int] | None = None
+            spec = TensorSpec(name, _dtype_name(tensor, name), tuple(int(d) for d in tensor.shape))
+            self._slots[name] = _Slot(tensor.detach(), spec)
+        self._specs = {name: slot.spec for name, slot in self._slots.items()}
+        self._undo: tuple[Patch, dict[str, int]] | None = None
         self.version: int | None = None
 
     @classmethod
@@ -331,112 +340,97 @@ class TorchTarget:
         tensors, aliases = module_tensors(module, include_buffers=include_buffers)
         return cls(tensors, aliases=aliases, on_activate=on_activate)
 
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The live tensors, by served name."""
+        return {name: slot.tensor for name, slot in self._slots.items()}
+
     # -- WeightTarget ----------------------------------------------------------------------
 
     def layout(self) -> Mapping[str, TensorSpec]:
         return self._specs
 
     def restored(self) -> tuple[int, dict[str, int]] | None:
-        # Live tensors hold whatever the process loaded; nothing is known verified.
+        # Live tensors hold whatever the process loaded; nothing is known to be verified.
         return None
 
-    @property
-    def tensors(self) -> Mapping[str, torch.Tensor]:
-        """The live tensors, by served name."""
-        return self._tensors
-
     def load_full(self, tensors: Mapping[str, Bits], specs: Mapping[str, TensorSpec]) -> None:
-        """Overwrite every tensor with ``tensors`` (bits arrays); checks the layout first."""
-        import torch
-
+        """Overwrite every tensor with ``tensors`` (bits arrays); checks everything first."""
         _check_same_layout(specs, self._specs)
         for name, spec in specs.items():
             array = tensors.get(name)
             if array is None or array.dtype != spec.bits_dtype or array.size != spec.numel:
                 raise IncompatibleTensors(f"{name}: expected {spec.numel} x {spec.bits_dtype}")
-        self._drop_undo()
-        for name, spec in specs.items():
-            source = np.ascontiguousarray(tensors[name]).reshape(spec.shape)
-            if name in self._cpu:
-                np.copyto(self._cpu[name], source, casting="no")
-            else:
-                host = torch.from_numpy(source.reshape(-1).view(np.uint8).copy())
-                dest = self._tensors[name].reshape(-1).view(torch.uint8)
-                dest.copy_(host, non_blocking=False)
+        self._undo = None
+        for name, slot in self._slots.items():
+            slot.overwrite(tensors[name])
 
     def apply(self, patch: Patch, fingerprints: Mapping[str, int]) -> dict[str, int]:
         """Apply in place; ``WrongBase`` / ``VerificationFailed`` leave the old bits."""
-        from patcher.apply import apply as apply_numpy
-
         patch.check_layout(self._specs)
-        cpu, cuda = self._split(patch)
-        new: dict[str, int] = {}
-        if cpu is not None:
-            new.update(apply_numpy(cpu, self._cpu, _subset(fingerprints, cpu)))
-        if cuda is not None and self._cuda is not None:
-            try:
-                new.update(self._cuda.apply(cuda, _subset(fingerprints, cuda)))
-            except BaseException:
-                if cpu is not None:  # the CPU half landed: take it back before failing
-                    apply_numpy(inverse_patch(cpu), self._cpu, _subset(new, cpu))
-                raise
-        self._undo = inverse_patch(patch)
-        self._undo_fingerprints = dict(new)
+        for name, td in patch.tensors.items():
+            held = fingerprints.get(name)
+            if held != td.base_fingerprint:
+                raise WrongBase(
+                    f"{name}: the patch was made for base {format_fingerprint(td.base_fingerprint)}, "
+                    f"the engine holds {'nothing known' if held is None else format_fingerprint(held)}"
+                )
+            if not td.changed and td.target_fingerprint != td.base_fingerprint:
+                raise CorruptData(f"{name}: an unchanged tensor cannot change its fingerprint")
+        new = self._add(patch, fingerprints)
+        self._undo = (inverse_patch(patch), new)
         return new
 
     def abort(self) -> None:
-        """Undo an apply that will not be activated (the caller's verification failed)."""
-        undo, fps = self._undo, self._undo_fingerprints
-        self._drop_undo()
-        if undo is None or fps is None:
+        """Undo an apply that will not be activated (the caller's own check failed)."""
+        if self._undo is None:
             return
-        from patcher.apply import apply as apply_numpy
-
-        cpu, cuda = self._split(undo)
-        if cpu is not None:
-            apply_numpy(cpu, self._cpu, _subset(fps, cpu))
-        if cuda is not None and self._cuda is not None:
-            self._cuda.apply(cuda, _subset(fps, cuda))
+        undo, fingerprints = self._undo
+        self._undo = None
+        self._add(undo, fingerprints)
 
     def full_fingerprints(self) -> dict[str, int]:
-        out = {name: fingerprint(bits) for name, bits in self._cpu.items()}
-        if self._cuda is not None:
-            out.update(self._cuda.fingerprints())
-        return out
+        return {name: slot.fingerprint() for name, slot in self._slots.items()}
 
     def activate(self, version: int) -> None:
-        self._drop_undo()
+        self._undo = None
         self.version = version
         if self._on_activate is not None:
             self._on_activate(version)
 
     # -- helpers -------------------------------------------------------------------------
 
-    def _drop_undo(self) -> None:
-        self._undo = None
-        self._undo_fingerprints = None
-
-    def _split(self, patch: Patch) -> tuple[Patch | None, Patch | None]:
-        cpu = {n: td for n, td in patch.tensors.items() if n in self._cpu}
-        cuda = {n: td for n, td in patch.tensors.items() if n not in self._cpu}
-        return (Patch(cpu) if cpu else None, Patch(cuda) if cuda else None)
-
-
-def _subset(fingerprints: Mapping[str, int], patch: Patch) -> dict[str, int]:
-    return {name: fingerprints[name] for name in patch.tensors if name in fingerprints}
+    def _add(self, patch: Patch, fingerprints: Mapping[str, int]) -> dict[str, int]:
+        """Add every delta; on any failure take back what was added, then raise."""
+        new = {name: fingerprints[name] for name in patch.tensors}
+        done: list[TensorDelta] = []
+        try:
+            for name, td in patch.tensors.items():
+                if not td.changed:
+                    continue
+                change = self._slots[name].add(td.indices, td.delta)
+                done.append(td)
+                new[name] = (fingerprints[name] + change) & _MASK64
+                if new[name] != td.target_fingerprint:
+                    raise VerificationFailed(
+                        f"{name}: bits after the apply fingerprint to {format_fingerprint(new[name])}, "
+                        f"not {format_fingerprint(td.target_fingerprint)}; the previous bits are restored"
+                    )
+        except BaseException:
+            for td in reversed(done):
+                self._slots[td.spec.name].add(td.indices, _negate(td.delta))
+            raise
+        return new
 
 
 def _check_same_layout(given: Mapping[str, TensorSpec], held: Mapping[str, TensorSpec]) -> None:
     if given.keys() != held.keys():
         missing = sorted(held.keys() - given.keys())[:5]
         extra = sorted(given.keys() - held.keys())[:5]
-        raise IncompatibleTensors(
-            f"tensor sets differ from the engine's: missing {missing}, unexpected {extra}"
-        )
+        raise IncompatibleTensors(f"tensor sets differ from the engine's: missing {missing}, unexpected {extra}")
     for name, spec in given.items():
         mine = held[name]
         if spec != mine:
             raise IncompatibleTensors(
-                f"{name}: version has {spec.dtype}{list(spec.shape)}, "
-                f"engine has {mine.dtype}{list(mine.shape)}"
+                f"{name}: version has {spec.dtype}{list(spec.shape)}, engine has {mine.dtype}{list(mine.shape)}"
             )

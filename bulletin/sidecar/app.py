@@ -203,13 +203,8 @@ class Sidecar:
         return min(asked, self.config.max_wait)
 
     def _retry_after(self) -> int:
-        status = self.status()
-        interval = self.config.poll_interval
-        if status is not None and status.consecutive_failures:
-            interval = min(
-                self.config.max_backoff,
-                self.config.poll_interval * 2 ** min(status.consecutive_failures - 1, 16),
-            )
+        # A client retrying sooner than our next poll could only be refused again.
+        interval = self.worker.interval() if self.worker is not None else self.config.poll_interval
         return max(1, math.ceil(interval))
 
     def describe(self) -> dict[str, Any]:
@@ -333,9 +328,9 @@ class Sidecar:
             outcome = await self.gate.enter(requirement, self._budget(requirement))
             self.metrics.wait_seconds.observe(outcome.waited)
             if isinstance(outcome, Refusal):
-                response = self._refused(outcome, requirement)
-                status = response.status
-                return response
+                refused = self._refused(outcome, requirement)
+                status = refused.status
+                return refused
             response, status = await self._relay(request, query, body, outcome)
             return response
         except asyncio.CancelledError:

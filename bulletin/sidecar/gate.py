@@ -23,6 +23,7 @@ activation is *busy* (503).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -219,10 +220,8 @@ class ActivationGate:
         started = time.monotonic()
         try:
             if self._leases:
-                try:
+                with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._drained.wait(), timeout=drain_timeout)
-                except TimeoutError:
-                    pass
         except BaseException:
             self._writer_pending = False
             self._admit_waiters()

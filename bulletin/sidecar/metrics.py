@@ -75,9 +75,7 @@ class _Metric:
 
     def _key(self, labels: Sequence[str]) -> tuple[str, ...]:
         if len(labels) != len(self.label_names):
-            raise InvalidInput(
-                f"{self.name} takes labels {list(self.label_names)}, got {len(labels)} values"
-            )
+            raise InvalidInput(f"{self.name} takes labels {list(self.label_names)}, got {len(labels)} values")
         return tuple(str(v) for v in labels)
 
     def _header(self) -> list[str]:
@@ -209,9 +207,7 @@ class Histogram(_Metric):
             for bound, c in zip(self.bounds, counts, strict=True):
                 running += c
                 le = f'le="{_format_value(bound)}"'
-                lines.append(
-                    f"{self.name}_bucket{_labels_text(self.label_names, key, le)} {running}"
-                )
+                lines.append(f"{self.name}_bucket{_labels_text(self.label_names, key, le)} {running}")
             labels = _labels_text(self.label_names, key)
             lines.append(f"{self.name}_sum{labels} {_format_value(total)}")
             lines.append(f"{self.name}_count{labels} {n}")
@@ -243,22 +239,16 @@ class SidecarMetrics:
 
     def __init__(self) -> None:
         r = self.registry = Registry()
-        self.current_version = r.register(
-            Gauge("bulletin_current_version", "Verified version the engine is serving.")
-        )
+        self.current_version = r.register(Gauge("bulletin_current_version", "Verified version the engine is serving."))
         self.head_version = r.register(
             Gauge("bulletin_head_version", "Newest version the head pointed to when last polled.")
         )
-        self.version_lag = r.register(
-            Gauge("bulletin_version_lag", "Head version minus current version.")
-        )
+        self.version_lag = r.register(Gauge("bulletin_version_lag", "Head version minus current version."))
         self.ready = r.register(Gauge("bulletin_ready", "1 while a verified version is active."))
         self.last_sync_ok = r.register(
             Gauge("bulletin_last_sync_success", "1 if the last sync attempt succeeded, else 0.")
         )
-        self.syncs = r.register(
-            Counter("bulletin_syncs_total", "Sync attempts that activated a new version.")
-        )
+        self.syncs = r.register(Counter("bulletin_syncs_total", "Sync attempts that activated a new version."))
         self.sync_failures = r.register(
             Counter(
                 "bulletin_sync_failures_total",
@@ -266,9 +256,7 @@ class SidecarMetrics:
                 ["code"],
             )
         )
-        self.bytes_downloaded = r.register(
-            Counter("bulletin_bytes_downloaded_total", "Bytes fetched from the store.")
-        )
+        self.bytes_downloaded = r.register(Counter("bulletin_bytes_downloaded_total", "Bytes fetched from the store."))
         self.apply_seconds = r.register(
             Histogram("bulletin_apply_seconds", "Time to apply one patch or keyframe to the engine.")
         )
@@ -304,9 +292,7 @@ class SidecarMetrics:
                 ["status"],
             )
         )
-        self.in_flight = r.register(
-            Gauge("bulletin_requests_in_flight", "Requests holding the activation lock.")
-        )
+        self.in_flight = r.register(Gauge("bulletin_requests_in_flight", "Requests holding the activation lock."))
         self.wait_seconds = r.register(
             Histogram(
                 "bulletin_request_wait_seconds",

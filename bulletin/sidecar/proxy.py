@@ -71,9 +71,7 @@ def version_changed_comment(served: int, active: int | None) -> bytes:
 
 def _request_headers(request: web.Request) -> CIMultiDict[str]:
     headers: CIMultiDict[str] = CIMultiDict()
-    connection_tokens = {
-        t.strip().lower() for t in request.headers.get("Connection", "").split(",") if t.strip()
-    }
+    connection_tokens = {t.strip().lower() for t in request.headers.get("Connection", "").split(",") if t.strip()}
     for name, value in request.headers.items():
         lower = name.lower()
         if lower in HOP_BY_HOP or lower in _OWN_REQUEST_HEADERS or lower in connection_tokens:
@@ -90,9 +88,7 @@ def _request_headers(request: web.Request) -> CIMultiDict[str]:
 
 def _response_headers(upstream: aiohttp.ClientResponse, *, sse: bool) -> CIMultiDict[str]:
     headers: CIMultiDict[str] = CIMultiDict()
-    connection_tokens = {
-        t.strip().lower() for t in upstream.headers.get("Connection", "").split(",") if t.strip()
-    }
+    connection_tokens = {t.strip().lower() for t in upstream.headers.get("Connection", "").split(",") if t.strip()}
     for name, value in upstream.headers.items():
         lower = name.lower()
         if lower in HOP_BY_HOP or lower in connection_tokens:
@@ -120,9 +116,7 @@ async def forward(
     ``error(status, code, message)`` builds the sidecar's JSON error responses (502 when
     the engine cannot be reached, 504 when it does not answer in time).
     """
-    url = upstream.with_path(
-        upstream.raw_path.rstrip("/") + request.rel_url.raw_path, encoded=True
-    ).with_query(query)
+    url = upstream.with_path(upstream.raw_path.rstrip("/") + request.rel_url.raw_path, encoded=True).with_query(query)
     try:
         upstream_response = await session.request(
             request.method,

@@ -117,9 +117,7 @@ def parse_requirement(
     exact = _one(headers, query, HEADER_EXACT, PARAM_EXACT)
     wait_ms = _one(headers, query, HEADER_MAX_WAIT, PARAM_MAX_WAIT)
     if minimum is not None and exact is not None:
-        raise InvalidInput(
-            f"give either a minimum ({HEADER_MIN}) or an exact version ({HEADER_EXACT}), not both"
-        )
+        raise InvalidInput(f"give either a minimum ({HEADER_MIN}) or an exact version ({HEADER_EXACT}), not both")
     stripped: MultiDict[str] = MultiDict(
         (k, v) for k, v in query.items() if k not in (PARAM_MIN, PARAM_EXACT, PARAM_MAX_WAIT)
     )

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import numpy as np
 from numpy.typing import NDArray
@@ -32,8 +32,10 @@ from bulletin.errors import BulletinError, StorageUnavailable
 from bulletin.sidecar.gate import ActivationGate
 from bulletin.sidecar.metrics import SidecarMetrics
 from bulletin.sidecar.requirements import VersionRequirement
-from bulletin.target import WeightTarget
-from patcher.patch import Patch, TensorSpec
+
+if TYPE_CHECKING:
+    from bulletin.target import WeightTarget
+    from patcher.patch import Patch, TensorSpec
 
 __all__ = ["GateBridge", "GatedTarget", "SubscriberLike", "SyncStatus", "SyncWorker"]
 
@@ -93,9 +95,7 @@ class GateBridge:
         """Block until the gate is held exclusively (idempotent while held)."""
         if self._held_since is not None:
             return
-        future = asyncio.run_coroutine_threadsafe(
-            self.gate.acquire_exclusive(self.drain_timeout), self.loop
-        )
+        future = asyncio.run_coroutine_threadsafe(self.gate.acquire_exclusive(self.drain_timeout), self.loop)
         drained, preempted = self._wait(future)
         self._held_since = time.monotonic()
         self.metrics.drain_seconds.observe(drained)
@@ -131,12 +131,15 @@ class GatedTarget:
 
     Targets that change live weights before ``activate`` declare ``in_place = True``
     (the torch and vLLM targets); for the others (a local folder an engine reloads
-    from) only ``activate`` pauses requests. Unknown targets are treated as in place.
+    from) only ``activate`` pauses requests. Unknown targets are treated as in place
+    unless ``in_place`` says otherwise.
     """
 
-    def __init__(self, inner: WeightTarget, metrics: SidecarMetrics | None = None) -> None:
+    def __init__(
+        self, inner: WeightTarget, metrics: SidecarMetrics | None = None, *, in_place: bool | None = None
+    ) -> None:
         self.inner = inner
-        self.in_place = bool(getattr(inner, "in_place", True))
+        self.in_place = bool(getattr(inner, "in_place", True)) if in_place is None else in_place
         self.metrics = metrics or SidecarMetrics()
         self.bridge: GateBridge | None = None
 
@@ -294,12 +297,13 @@ class SyncWorker:
 
     # -- the loop --------------------------------------------------------------------------
 
-    def _interval(self) -> float:
+    def interval(self) -> float:
+        """Seconds until the next poll: backoff after failures, short while requests wait."""
         with self._lock:
             failures = self._failures
             eager = time.monotonic() < self._eager_until
         if failures:
-            return min(self.max_backoff, self.poll_interval * 2 ** min(failures - 1, 16))
+            return min(self.max_backoff, self.poll_interval * float(2 ** min(failures - 1, 16)))
         return self.eager_interval if eager else self.poll_interval
 
     def _run(self) -> None:
@@ -319,7 +323,7 @@ class SyncWorker:
                 if failing and time.monotonic() < next_due:
                     continue
             self.step()
-            next_due = time.monotonic() + self._interval()
+            next_due = time.monotonic() + self.interval()
 
     def step(self) -> None:
         """One poll, and a sync if the head moved; never raises."""

@@ -164,8 +164,10 @@ class LocalStore(StoreBase):
         lock_dir = os.path.join(self._root, _LOCK_DIR)
         os.makedirs(lock_dir, exist_ok=True)
         # flock (not POSIX record locks) because it excludes threads of one process
-        # too: each call opens its own file description.
-        fd = os.open(os.path.join(lock_dir, f"{stripe:02x}"), os.O_RDWR | os.O_CREAT | _O_CLOEXEC, 0o666)
+        # too: each call opens its own file description. Read-only suffices for
+        # flock, so writers running as other users can share the lock files.
+        path = os.path.join(lock_dir, f"{stripe:02x}")
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT | _O_CLOEXEC, 0o666)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
@@ -344,6 +346,8 @@ class LocalStore(StoreBase):
         """Remove the object (absent is fine), then prune directories left empty."""
         self._check_open()
         parent, path = self._path(key)
+        if not os.path.lexists(path):
+            return  # absent now: the delete takes effect here, no lock needed
         with self._os_errors(key):
             with self._key_lock(key):
                 try:

@@ -90,6 +90,16 @@ class MemoryStore(StoreBase):
         super().__init__(f"memory://{name}/{self._prefix}".rstrip("/"))
         self._bucket = _bucket(name)
 
+    @property
+    def name(self) -> str:
+        """The name shared by every store of this bucket in the process."""
+        return self._name
+
+    @property
+    def prefix(self) -> str:
+        """The key prefix, ``""`` or ending in ``/``."""
+        return self._prefix
+
     def _new_entry(self, data: bytes) -> _Entry:
         # Called under the bucket lock, which also orders the counter's values.
         return _Entry(data, f"m{next(_etags)}", datetime.now(UTC))

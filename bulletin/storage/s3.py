@@ -36,6 +36,7 @@ from urllib.parse import quote, urlencode, urlsplit
 import boto3
 import botocore.exceptions as bx
 from botocore.config import Config
+from botocore.handlers import set_list_objects_encoding_type_url
 from urllib3.exceptions import HTTPError as Urllib3HTTPError
 
 from bulletin import __version__
@@ -285,7 +286,7 @@ class S3Store(StoreBase):
         super().__init__(url + (f"?{urlencode(sorted(params.items()), safe=':/')}" if params else ""))
 
         config = Config(
-            retries={"mode": retry_mode, "max_attempts": max_attempts},
+            retries={"mode": retry_mode, "total_max_attempts": max_attempts},
             connect_timeout=connect_timeout,
             read_timeout=read_timeout,
             max_pool_connections=max_pool_connections,
@@ -300,6 +301,13 @@ class S3Store(StoreBase):
             )
         except (bx.BotoCoreError, ValueError) as exc:
             raise ConfigError(f"cannot configure an S3 client for {self.url}: {exc}") from exc
+        # botocore asks for URL-encoded keys in listings by default. Our keys are
+        # XML-safe (no control characters), so plain keys suffice, and some servers
+        # mishandle the encoding: LocalStack 4.13 compares encoded keys with the raw
+        # StartAfter / continuation token and silently drops non-ASCII keys.
+        self._client.meta.events.unregister(
+            "before-parameter-build.s3.ListObjectsV2", set_list_objects_encoding_type_url
+        )
 
     @property
     def bucket(self) -> str:
@@ -310,6 +318,12 @@ class S3Store(StoreBase):
     def prefix(self) -> str:
         """The key prefix, ``""`` or ending in ``/``."""
         return self._prefix
+
+    @property
+    def region(self) -> str | None:
+        """The region requests are signed for (after boto3's own resolution)."""
+        region = self._client.meta.region_name
+        return None if region is None else str(region)
 
     @property
     def endpoint_url(self) -> str:

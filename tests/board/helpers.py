@@ -23,7 +23,7 @@ class ToyTrainer:
     def __init__(self, seed: int = 0, shapes: dict[str, tuple[int, ...]] | None = None) -> None:
         self.rng = np.random.default_rng(seed)
         self.state: dict[str, NDArray[np.float32]] = {
-            name: (self.rng.standard_normal(shape) * 0.02).astype(np.float32)
+            name: np.array(self.rng.standard_normal(shape) * 0.02, dtype=np.float32)
             for name, shape in (shapes or SHAPES).items()
         }
 

@@ -1,0 +1,106 @@
+"""Entropy coders of patch streams: zstd frames and LZ4 blocks, with exact sizes.
+
+Every stream's decoded size is known from the header before a byte is decompressed, so
+a reader never lets the data decide how much memory it gets: zstd frames must declare
+exactly that content size (checked on the frame header first), LZ4 blocks are decoded
+into a buffer of exactly that size. A stream that would not shrink is stored verbatim,
+which a reader recognises by its length being its decoded size; a compressed stream is
+always strictly shorter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Final
+
+import lz4.block
+import zstandard
+
+from bulletin.errors import CorruptData, FormatError, InvalidInput
+
+__all__ = [
+    "CODECS",
+    "DEFAULT_LEVELS",
+    "LEVEL_RANGES",
+    "ZSTD_MAX_WINDOW",
+    "decompress",
+    "make_compressor",
+]
+
+CODECS: Final = ("zstd", "lz4")
+#: zstd 3 is the fastest level that already gets within a few percent of level 19 on
+#: these streams (docs/FORMAT.md, "For implementers"); LZ4 0 is its fast mode (1..12
+#: select the high-compression coder).
+DEFAULT_LEVELS: Final = {"zstd": 3, "lz4": 0}
+#: zstd levels above 19 ("ultra") would need windows past ZSTD_MAX_WINDOW.
+LEVEL_RANGES: Final = {"zstd": (1, 19), "lz4": (0, 12)}
+#: Largest zstd window a frame may need; levels 1..19 never exceed it.
+ZSTD_MAX_WINDOW: Final = 1 << 23
+
+
+def make_compressor(codec: str, level: int | None) -> Callable[[bytes], bytes]:
+    """A function that compresses one stream with ``codec`` at ``level`` (None: default)."""
+    if codec not in CODECS:
+        raise InvalidInput(f"unknown codec {codec!r}; known: {', '.join(CODECS)}")
+    if level is None:
+        level = DEFAULT_LEVELS[codec]
+    lo, hi = LEVEL_RANGES[codec]
+    if not isinstance(level, int) or isinstance(level, bool) or not lo <= level <= hi:
+        raise InvalidInput(f"{codec} level must be an int in [{lo}, {hi}], got {level!r}")
+    coder: Callable[[bytes], bytes]
+    if codec == "zstd":
+        cctx = zstandard.ZstdCompressor(level=level, write_checksum=False, write_content_size=True, write_dict_id=False)
+        coder = cctx.compress
+    elif level == 0:
+        coder = partial(lz4.block.compress, mode="default", store_size=False)
+    else:
+        coder = partial(lz4.block.compress, mode="high_compression", compression=level, store_size=False)
+
+    def compress(raw: bytes) -> bytes:
+        packed = coder(raw)
+        return packed if len(packed) < len(raw) else raw
+
+    return compress
+
+
+def decompress(codec: str, data: memoryview, size: int, what: str) -> bytes | memoryview:
+    """Exactly ``size`` bytes from one stream, or ``FormatError`` / ``CorruptData``."""
+    if len(data) == size:
+        return data  # stored verbatim
+    if len(data) > size:
+        raise FormatError(f"{what}: a {len(data)}-byte stream for {size} bytes is neither stored nor compressed")
+    if codec == "zstd":
+        return _zstd(data, size, what)
+    return _lz4(data, size, what)
+
+
+def _zstd(data: memoryview, size: int, what: str) -> bytes:
+    try:
+        params = zstandard.get_frame_parameters(data)
+    except zstandard.ZstdError as e:
+        raise FormatError(f"{what}: not a zstd frame ({e})") from None
+    if params.content_size != size:
+        raise FormatError(f"{what}: zstd frame declares {params.content_size} bytes, header says {size}")
+    if params.dict_id != 0:
+        raise FormatError(f"{what}: zstd frame needs a dictionary")
+    if params.window_size > ZSTD_MAX_WINDOW:
+        raise FormatError(f"{what}: zstd window {params.window_size} over {ZSTD_MAX_WINDOW}")
+    dctx = zstandard.ZstdDecompressor(max_window_size=ZSTD_MAX_WINDOW)
+    try:
+        out = dctx.decompress(data, max_output_size=size, allow_extra_data=False)
+    except zstandard.ZstdError as e:
+        raise CorruptData(f"{what}: zstd stream does not decode ({e})") from None
+    if len(out) != size:
+        raise CorruptData(f"{what}: zstd stream decodes to {len(out)} bytes, expected {size}")
+    return out
+
+
+def _lz4(data: memoryview, size: int, what: str) -> bytes:
+    try:
+        out: bytes = lz4.block.decompress(data, uncompressed_size=size)
+    except lz4.block.LZ4BlockError as e:
+        raise CorruptData(f"{what}: LZ4 block does not decode ({e})") from None
+    if len(out) != size:
+        raise CorruptData(f"{what}: LZ4 block decodes to {len(out)} bytes, expected {size}")
+    return out

@@ -1,0 +1,388 @@
+"""Shards -> Patch (docs/FORMAT.md, "Patch shards"). Pure: bytes in, no I/O.
+
+Reading is defensive in a fixed order: fixed header (magic, version, lengths), header
+CRC, then the JSON, parsed under a size cap, checked to be canonical and validated
+field by field; only then are streams decompressed, each to a size declared up front
+and capped. Across shards, everything that can be checked from headers alone (same
+patch, shard i of n, exact coverage of every tensor, the patch id) is checked before
+any payload is decompressed. Every failure is a ``CorruptData`` (usually its subclass
+``FormatError``), ``UnsupportedFormatVersion``, ``UnsupportedDtype`` or
+``InvalidTensorName``; nothing else escapes.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final
+
+import numpy as np
+from numpy.typing import NDArray
+
+from bulletin.errors import (
+    CorruptData,
+    FormatError,
+    InvalidInput,
+    UnsupportedFormatVersion,
+)
+from patcher.compression import decompress
+from patcher.fingerprint import parse_fingerprint
+from patcher.format import (
+    CODEC_NAMES,
+    DEFAULT_LIMITS,
+    FILE_TYPE_PATCH_SHARD,
+    FIXED_HEADER,
+    FIXED_HEADER_SIZE,
+    FORMAT_MAJOR,
+    FORMAT_MINOR,
+    HEADER_CRC_OFFSET,
+    MAGIC,
+    MAX_NUMEL,
+    DecodeLimits,
+    EntryInfo,
+    ShardHeader,
+    StreamRef,
+    TensorInfo,
+    canonical_json,
+    compute_patch_id,
+)
+from patcher.names import check_tensor_name
+from patcher.patch import Patch, TensorDelta, TensorSpec
+from patcher.streams import byte_width, unpack_deltas, unpack_gaps
+
+__all__ = ["DecodedEntry", "DecodedShard", "decode", "decode_shard", "read_shard_header"]
+
+_HEX: Final = frozenset("0123456789abcdef")
+_TOP_KEYS: Final = frozenset({"entries", "patch", "shard", "shards", "tensors"})
+_TENSOR_KEYS: Final = frozenset({"base", "changed", "dtype", "shape", "target"})
+_ENTRY_KEYS: Final = frozenset({"count", "deltas", "gaps", "start", "stop", "tensor"})
+_U64_LIMIT: Final = 1 << 64
+
+
+@dataclass(frozen=True, slots=True)
+class DecodedEntry:
+    """One entry of a shard with its decoded arrays (absolute flat indices)."""
+
+    info: EntryInfo
+    indices: NDArray[np.int64]
+    delta: NDArray[np.unsignedinteger]
+
+
+@dataclass(frozen=True, slots=True)
+class DecodedShard:
+    """A whole shard, decoded on its own."""
+
+    header: ShardHeader
+    entries: tuple[DecodedEntry, ...]
+
+
+# -- JSON ------------------------------------------------------------------------------
+
+
+def _no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise FormatError("header JSON has a duplicate key")
+    return out
+
+
+def _no_floats(text: str) -> object:
+    raise FormatError(f"header JSON has a non-integer number {text[:32]!r}")
+
+
+def _parse_json(raw: memoryview) -> object:
+    try:
+        text = bytes(raw).decode("utf-8")
+        return json.loads(
+            text,
+            object_pairs_hook=_no_duplicates,
+            parse_float=_no_floats,
+            parse_constant=_no_floats,
+        )
+    except UnicodeDecodeError as e:
+        raise FormatError(f"header is not UTF-8: {e}") from None
+    except RecursionError:
+        raise FormatError("header JSON is nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError, and ints past the digit limit
+        if isinstance(e, FormatError):
+            raise
+        raise FormatError(f"header is not valid JSON: {e}") from None
+
+
+def _object(value: object, keys: frozenset[str], newer: bool, what: str) -> dict[str, object]:
+    if not isinstance(value, dict):
+        raise FormatError(f"{what} must be a JSON object")
+    missing = keys - value.keys()
+    if missing:
+        raise FormatError(f"{what} lacks {sorted(missing)}")
+    # A newer minor version may add keys this reader does not know; its own may not.
+    if not newer and value.keys() - keys:
+        raise FormatError(f"{what} has unknown keys {sorted(value.keys() - keys)[:5]}")
+    return value
+
+
+def _int(value: object, what: str, lo: int = 0, hi: int = _U64_LIMIT - 1) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+        raise FormatError(f"{what} must be an integer in [{lo}, {hi}], got {value!r}"[:200])
+    return value
+
+
+def _ints(value: object, n: int, what: str) -> list[int]:
+    if not isinstance(value, list) or len(value) != n:
+        raise FormatError(f"{what} must be a list of {n} integers")
+    return [_int(v, what) for v in value]
+
+
+def _fingerprint(value: object, what: str) -> int:
+    if not isinstance(value, str) or len(value) != 16 or not set(value) <= _HEX:
+        raise FormatError(f"{what} must be 16 lowercase hex digits")
+    return parse_fingerprint(value)
+
+
+# -- header ----------------------------------------------------------------------------
+
+
+def _tensor_info(name: str, value: object, newer: bool, limits: DecodeLimits) -> TensorInfo:
+    check_tensor_name(name)
+    doc = _object(value, _TENSOR_KEYS, newer, f"tensor {name!r}")
+    shape_doc = doc["shape"]
+    if not isinstance(shape_doc, list) or len(shape_doc) > limits.max_ndim:
+        raise FormatError(f"{name}: shape must be a list of at most {limits.max_ndim} integers")
+    shape = tuple(_int(d, f"{name}: shape", 0, MAX_NUMEL) for d in shape_doc)
+    numel = 1
+    for d in shape:
+        numel *= d
+        if numel > MAX_NUMEL:
+            raise FormatError(f"{name}: shape {list(shape)} has too many elements for int64")
+    dtype = doc["dtype"]
+    if not isinstance(dtype, str):
+        raise FormatError(f"{name}: dtype must be a string")
+    spec = TensorSpec(name, dtype, shape)  # raises UnsupportedDtype
+    base = _fingerprint(doc["base"], f"{name}: base")
+    target = _fingerprint(doc["target"], f"{name}: target")
+    changed = _int(doc["changed"], f"{name}: changed", 0, numel)
+    if changed == 0 and base != target:
+        raise FormatError(f"{name}: unchanged, yet base and target fingerprints differ")
+    return TensorInfo(spec, base, target, changed)
+
+
+def _entry(value: object, tensors: dict[str, TensorInfo], offset: int, newer: bool, limits: DecodeLimits) -> EntryInfo:
+    doc = _object(value, _ENTRY_KEYS, newer, "entry")
+    name = doc["tensor"]
+    if not isinstance(name, str) or name not in tensors:
+        raise FormatError(f"entry names a tensor the shard does not describe: {name!r}"[:200])
+    info = tensors[name]
+    numel, width = info.spec.numel, info.spec.width
+    start = _int(doc["start"], f"{name}: start", 0, numel)
+    stop = _int(doc["stop"], f"{name}: stop", start, numel)
+    if stop == start and numel != 0:
+        raise FormatError(f"{name}: empty element range [{start}, {stop})")
+    count = _int(doc["count"], f"{name}: count", 0, stop - start)
+    g_off, g_len, g_width = _ints(doc["gaps"], 3, f"{name}: gaps")
+    d_off, d_len, escapes, e_width = _ints(doc["deltas"], 4, f"{name}: deltas")
+    if g_off != offset or d_off != g_off + g_len:
+        raise FormatError(f"{name}: streams do not tile the payload (hole or overlap)")
+    if count == 0:
+        if info.changed != 0 or start != 0 or stop != numel:
+            raise FormatError(f"{name}: an empty entry must cover a whole unchanged tensor")
+        if (g_len, g_width, d_len, escapes, e_width) != (0, 0, 0, 0, 0):
+            raise FormatError(f"{name}: an empty entry must have empty streams")
+    else:
+        if not 1 <= g_width <= byte_width(stop - start):
+            raise FormatError(f"{name}: gap width {g_width} impossible for its range")
+        if g_len == 0 or d_len == 0:
+            raise FormatError(f"{name}: a nonempty entry with an empty stream")
+        if escapes > count or (escapes == 0) != (e_width == 0) or e_width > width:
+            raise FormatError(f"{name}: bad escapes ({escapes} of width {e_width})")
+    entry = EntryInfo(
+        name, start, stop, count, StreamRef(g_off, g_len), g_width, StreamRef(d_off, d_len),
+        escapes, e_width,
+    )  # fmt: skip
+    # Decompression bombs: a stream may not promise more than max_expansion per byte.
+    for size, ref in ((entry.gaps_size, entry.gaps), (entry.deltas_size, entry.deltas)):
+        if size > ref.length * limits.max_expansion:
+            raise FormatError(f"{name}: stream declares {size} bytes from {ref.length}")
+    return entry
+
+
+def _header(
+    doc_value: object, newer: bool, payload_length: int, limits: DecodeLimits
+) -> tuple[str, int, int, dict[str, TensorInfo], tuple[EntryInfo, ...]]:
+    doc = _object(doc_value, _TOP_KEYS, newer, "header")
+    patch_id = doc["patch"]
+    if not isinstance(patch_id, str) or len(patch_id) != 64 or not set(patch_id) <= _HEX:
+        raise FormatError("patch id must be 64 lowercase hex digits")
+    count = _int(doc["shards"], "shards", 1, limits.max_shards)
+    index = _int(doc["shard"], "shard", 0, count - 1)
+    tensors_doc = doc["tensors"]
+    if not isinstance(tensors_doc, dict) or len(tensors_doc) > limits.max_tensors:
+        raise FormatError(f"tensors must be an object of at most {limits.max_tensors}")
+    tensors = {name: _tensor_info(name, v, newer, limits) for name, v in tensors_doc.items()}
+    entries_doc = doc["entries"]
+    if not isinstance(entries_doc, list) or len(entries_doc) > limits.max_entries:
+        raise FormatError(f"entries must be a list of at most {limits.max_entries}")
+    entries: list[EntryInfo] = []
+    offset = 0
+    decoded = 0
+    per_tensor: dict[str, int] = {}
+    for value in entries_doc:
+        e = _entry(value, tensors, offset, newer, limits)
+        if entries and (e.tensor, e.start) <= (entries[-1].tensor, entries[-1].start):
+            raise FormatError(f"{e.tensor}: entries out of order")
+        if entries and e.tensor == entries[-1].tensor and e.start < entries[-1].stop:
+            raise FormatError(f"{e.tensor}: entries overlap at {e.start}")
+        offset = e.deltas.end
+        per_tensor[e.tensor] = per_tensor.get(e.tensor, 0) + e.count
+        if per_tensor[e.tensor] > tensors[e.tensor].changed:
+            raise FormatError(f"{e.tensor}: entries hold more changes than the tensor has")
+        decoded += e.gaps_size + e.deltas_size + e.count * (8 + tensors[e.tensor].spec.width)
+        if decoded > limits.max_decoded_bytes:
+            raise FormatError(f"shard would decode to more than {limits.max_decoded_bytes} bytes")
+        entries.append(e)
+    if offset != payload_length:
+        raise FormatError(f"streams cover {offset} bytes of a {payload_length}-byte payload")
+    if per_tensor.keys() != tensors.keys():
+        raise FormatError("a tensor is described but has no entry in the shard")
+    return patch_id, index, count, tensors, tuple(entries)
+
+
+def _view(data: bytes | bytearray | memoryview) -> memoryview:
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise InvalidInput(f"expected bytes, got {type(data)}")
+    view = memoryview(data)
+    if not view.contiguous:
+        raise InvalidInput("shard bytes must be contiguous")
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def read_shard_header(data: bytes | bytearray | memoryview, *, limits: DecodeLimits = DEFAULT_LIMITS) -> ShardHeader:
+    """Parse and validate a shard's headers without touching its payload.
+
+    ``data`` needs only the first ``40 + stored header length`` bytes (a ranged read will do).
+    """
+    view = _view(data)
+    if len(view) < FIXED_HEADER_SIZE:
+        raise FormatError(f"truncated: {len(view)} bytes, a shard header needs {FIXED_HEADER_SIZE}")
+    magic, major, minor, file_type, codec_id, h_len, j_len, p_len, p_crc, h_crc = FIXED_HEADER.unpack_from(view)
+    if magic != MAGIC:
+        raise FormatError("not a Bulletin patch shard (bad magic bytes)")
+    if major != FORMAT_MAJOR:
+        raise UnsupportedFormatVersion(f"shard format {major}.{minor}; this reader knows {FORMAT_MAJOR}.x")
+    if file_type != FILE_TYPE_PATCH_SHARD:
+        raise FormatError(f"file type {file_type} is not a patch shard")
+    if codec_id not in CODEC_NAMES:
+        raise UnsupportedFormatVersion(f"codec id {codec_id} is unknown to this reader")
+    if j_len > limits.max_header_bytes:
+        raise FormatError(f"header of {j_len} bytes exceeds the {limits.max_header_bytes} cap")
+    if not 0 < h_len <= j_len or j_len > h_len * limits.max_expansion:
+        raise FormatError(f"stored header length {h_len} impossible for a {j_len}-byte header")
+    if len(view) < FIXED_HEADER_SIZE + h_len:
+        raise FormatError(f"truncated: the header needs {FIXED_HEADER_SIZE + h_len} bytes")
+    stored = view[FIXED_HEADER_SIZE : FIXED_HEADER_SIZE + h_len]
+    if zlib.crc32(stored, zlib.crc32(view[:HEADER_CRC_OFFSET])) != h_crc:
+        raise CorruptData("header checksum mismatch")
+    raw = memoryview(decompress(CODEC_NAMES[codec_id], stored, j_len, "header"))
+    doc = _parse_json(raw)
+    if canonical_json(doc) != raw:
+        raise FormatError("header JSON is not in canonical form")
+    newer = minor > FORMAT_MINOR
+    patch_id, index, count, tensors, entries = _header(doc, newer, p_len, limits)
+    return ShardHeader(
+        major, minor, CODEC_NAMES[codec_id], h_len, j_len, p_len, h_crc, p_crc,
+        patch_id, index, count, tensors, entries,
+    )  # fmt: skip
+
+
+def _decode_payload(view: memoryview, header: ShardHeader) -> tuple[DecodedEntry, ...]:
+    if len(view) != header.size:
+        kind = "truncated" if len(view) < header.size else "trailing bytes"
+        raise FormatError(f"{kind}: shard is {len(view)} bytes, its header says {header.size}")
+    payload = view[header.payload_offset :]
+    if zlib.crc32(payload) != header.payload_crc32:
+        raise CorruptData(f"payload checksum mismatch in shard {header.shard_index}")
+    out: list[DecodedEntry] = []
+    for e in header.entries:
+        spec = header.tensors[e.tensor].spec
+        if e.count == 0:
+            empty = np.empty(0, dtype=spec.bits_dtype)
+            out.append(DecodedEntry(e, np.empty(0, dtype=np.int64), empty))
+            continue
+        what = f"{e.tensor}[{e.start}:{e.stop}]"
+        raw = decompress(header.codec, payload[e.gaps.offset : e.gaps.end], e.gaps_size, what)
+        indices = unpack_gaps(raw, e.count, e.gap_width, e.start, e.stop, what)
+        raw = decompress(header.codec, payload[e.deltas.offset : e.deltas.end], e.deltas_size, what)
+        delta = unpack_deltas(raw, e.count, e.escapes, e.escape_width, spec.bits_dtype, what)
+        out.append(DecodedEntry(e, indices, delta))
+    return tuple(out)
+
+
+def decode_shard(data: bytes | bytearray | memoryview, *, limits: DecodeLimits = DEFAULT_LIMITS) -> DecodedShard:
+    """Decode one shard on its own (it need not be the whole patch)."""
+    view = _view(data)
+    header = read_shard_header(view, limits=limits)
+    return DecodedShard(header, _decode_payload(view, header))
+
+
+def _check_set(headers: list[ShardHeader]) -> dict[str, TensorInfo]:
+    """Everything checkable from headers: one patch, shard i of n, exact coverage."""
+    first = headers[0]
+    if any(h.patch_id != first.patch_id for h in headers):
+        raise FormatError("shards belong to different patches")
+    if any(h.shard_count != len(headers) for h in headers):
+        raise FormatError(f"{len(headers)} shards given, their headers say {first.shard_count}")
+    if sorted(h.shard_index for h in headers) != list(range(len(headers))):
+        raise FormatError("shard indices are not 0..n-1 exactly once each")
+    tensors: dict[str, TensorInfo] = {}
+    ranges: dict[str, list[EntryInfo]] = {}
+    for h in headers:
+        for name, info in h.tensors.items():
+            if tensors.setdefault(name, info) != info:
+                raise FormatError(f"{name}: shards disagree about the tensor")
+        for e in h.entries:
+            ranges.setdefault(e.tensor, []).append(e)
+    if compute_patch_id(tensors) != first.patch_id:
+        raise FormatError("patch id does not match the tensors described (missing or altered)")
+    for name, info in tensors.items():
+        covered, changed = 0, 0
+        for e in sorted(ranges[name], key=lambda e: e.start):
+            if e.start != covered:
+                raise FormatError(f"{name}: elements [{covered}, {e.start}) hole or overlap")
+            covered, changed = e.stop, changed + e.count
+        if covered != info.spec.numel:
+            raise FormatError(f"{name}: entries end at {covered} of {info.spec.numel}")
+        if changed != info.changed:
+            raise FormatError(f"{name}: entries hold {changed} changes, tensor says {info.changed}")
+    return tensors
+
+
+def decode(shards: Sequence[bytes | bytearray | memoryview], *, limits: DecodeLimits = DEFAULT_LIMITS) -> Patch:
+    """The patch that ``shards`` (every shard of it, in any order) encode.
+
+    Checks that the shards form one complete patch before decompressing anything.
+    """
+    if isinstance(shards, bytes | bytearray | memoryview) or not isinstance(shards, Sequence):
+        raise InvalidInput("decode takes a sequence of shards (a list of bytes)")
+    if not shards:
+        raise InvalidInput("decode needs at least one shard")
+    if len(shards) > limits.max_shards:
+        raise FormatError(f"{len(shards)} shards exceed the cap of {limits.max_shards}")
+    views = [_view(s) for s in shards]
+    headers = [read_shard_header(v, limits=limits) for v in views]
+    tensors = _check_set(headers)
+    parts: dict[str, list[DecodedEntry]] = {name: [] for name in tensors}
+    for view, header in zip(views, headers, strict=True):
+        for entry in _decode_payload(view, header):
+            parts[entry.info.tensor].append(entry)
+    out: dict[str, TensorDelta] = {}
+    for name in sorted(tensors):
+        info = tensors[name]
+        pieces = sorted(parts[name], key=lambda d: d.info.start)
+        if len(pieces) == 1:
+            indices, delta = pieces[0].indices, pieces[0].delta
+        else:
+            indices = np.concatenate([p.indices for p in pieces])
+            delta = np.concatenate([p.delta for p in pieces])
+        out[name] = TensorDelta(info.spec, indices, delta, info.base_fingerprint, info.target_fingerprint)
+    return Patch(out)

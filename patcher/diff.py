@@ -1,0 +1,183 @@
+"""Bit-level diff of two versions of a set of tensors (the NumPy path).
+
+The comparison runs over fixed-size chunks into one reused mask buffer, so the only
+allocations that grow with the tensor are the outputs, which grow with the number of
+*changed* elements (a few per mille of a one-step transition).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Final
+
+import numpy as np
+from numpy.typing import NDArray
+
+from bulletin.errors import IncompatibleTensors, InvalidInput
+from patcher.fingerprint import fingerprint
+from patcher.fingerprint_update import fingerprint_change
+from patcher.patch import Patch, TensorDelta, TensorSpec
+
+__all__ = ["CHUNK_WORDS", "as_bits", "diff", "diff_bits"]
+
+#: 64-bit words compared per step (1 Mi BF16 elements): the mask (256 KiB) and both
+#: input chunks stay in L2. Measured fastest among 64 Ki .. 1 Mi words.
+CHUNK_WORDS: Final = 1 << 18
+
+_EMPTY_INDICES: Final = np.empty(0, dtype=np.int64)
+
+
+def as_bits(array: object, spec: TensorSpec, role: str) -> NDArray[np.unsignedinteger]:
+    """A view of ``array`` as the spec's bits dtype, checking width, shape and layout."""
+    if not isinstance(array, np.ndarray):
+        raise InvalidInput(f"{spec.name} ({role}): expected a NumPy array, got {type(array)}")
+    dt = array.dtype
+    if dt.hasobject or dt.fields is not None or dt.subdtype is not None or not dt.isnative:
+        raise InvalidInput(f"{spec.name} ({role}): dtype {dt} does not hold plain native-order bits")
+    if dt.itemsize != spec.width:
+        raise IncompatibleTensors(
+            f"{spec.name} ({role}): {dt} has {dt.itemsize}-byte elements, {spec.dtype} needs {spec.width}"
+        )
+    if array.shape != spec.shape:
+        raise IncompatibleTensors(f"{spec.name} ({role}): shape {list(array.shape)}, expected {list(spec.shape)}")
+    if not array.flags.c_contiguous:
+        raise InvalidInput(f"{spec.name} ({role}): array must be C-contiguous")
+    return array.view(spec.bits_dtype)
+
+
+def _check_pair(old: NDArray[np.unsignedinteger], new: NDArray[np.unsignedinteger]) -> None:
+    for role, a in (("old", old), ("new", new)):
+        # Typed callers cannot get this wrong; untyped ones can.
+        if not isinstance(a, np.ndarray) or a.dtype.kind != "u" or not a.dtype.isnative:
+            raise InvalidInput(f"diff_bits: {role} must be an unsigned native-order NumPy array")
+        if not a.flags.c_contiguous:
+            raise InvalidInput(f"diff_bits: {role} must be C-contiguous")
+    if old.dtype != new.dtype or old.shape != new.shape:
+        raise IncompatibleTensors(f"diff_bits: {old.dtype}{list(old.shape)} vs {new.dtype}{list(new.shape)}")
+
+
+_Changes = tuple[NDArray[np.int64], NDArray[np.unsignedinteger], NDArray[np.unsignedinteger]]
+
+
+def _changes_in(a: NDArray[np.unsignedinteger], b: NDArray[np.unsignedinteger], base: int) -> _Changes | None:
+    """Changes between two short flat arrays, indices offset by ``base``."""
+    local = np.flatnonzero(a != b)
+    if local.size == 0:
+        return None
+    was = a[local]
+    delta = b[local]
+    delta -= was
+    local += base
+    return local, was, delta
+
+
+def _changes(old: NDArray[np.unsignedinteger], new: NDArray[np.unsignedinteger]) -> _Changes:
+    """Changed flat indices, old bits there, and wrapping deltas; inputs already checked.
+
+    Compares 64-bit words (several elements each): the mask and its scan shrink by the
+    number of elements per word, and only changed words are split into elements.
+    """
+    a = old.reshape(-1)
+    b = new.reshape(-1)
+    n, dtype = a.size, a.dtype
+    lanes = 8 // dtype.itemsize
+    shift = lanes.bit_length() - 1  # lanes is 1, 2, 4 or 8
+    body = n - n % lanes
+    parts: list[_Changes] = []
+    if body:
+        aw, bw = a[:body].view(np.uint64), b[:body].view(np.uint64)
+        mask = np.empty(min(aw.size, CHUNK_WORDS), dtype=np.bool_)
+        for lo in range(0, aw.size, CHUNK_WORDS):
+            hi = min(lo + CHUNK_WORDS, aw.size)
+            m, ac, bc = mask[: hi - lo], aw[lo:hi], bw[lo:hi]
+            np.not_equal(ac, bc, out=m)
+            words = np.flatnonzero(m)
+            if words.size == 0:
+                continue
+            # The changed words, seen again as elements (same memory, so the same order).
+            found = _changes_in(ac[words].view(dtype), bc[words].view(dtype), 0)
+            if found is None:  # pragma: no cover - a changed word has a changed element
+                continue
+            lane, was, delta = found
+            words += lo
+            index = words[lane >> shift]
+            index <<= shift
+            index += lane & (lanes - 1)
+            parts.append((index, was, delta))
+    if body < n:
+        tail = _changes_in(a[body:], b[body:], body)
+        if tail is not None:
+            parts.append(tail)
+    if not parts:
+        empty = np.empty(0, dtype=dtype)
+        return _EMPTY_INDICES, empty, empty
+    if len(parts) == 1:
+        return parts[0]
+    return (
+        np.concatenate([p[0] for p in parts]),
+        np.concatenate([p[1] for p in parts]),
+        np.concatenate([p[2] for p in parts]),
+    )
+
+
+def diff_bits(
+    old: NDArray[np.unsignedinteger], new: NDArray[np.unsignedinteger]
+) -> tuple[NDArray[np.int64], NDArray[np.unsignedinteger]]:
+    """Sorted flat indices where ``old`` and ``new`` differ, and ``(new - old) mod 2**bits``.
+
+    Both arrays must have the same unsigned dtype and shape and be C-contiguous; they
+    are compared in chunks of :data:`CHUNK_WORDS` 64-bit words without full-size
+    temporaries.
+    """
+    _check_pair(old, new)
+    indices, _, delta = _changes(old, new)
+    return indices, delta
+
+
+def _check_fingerprints(specs: Mapping[str, TensorSpec], base_fingerprints: Mapping[str, int]) -> None:
+    if base_fingerprints.keys() != specs.keys():
+        missing = sorted(specs.keys() - base_fingerprints.keys())[:5]
+        extra = sorted(base_fingerprints.keys() - specs.keys())[:5]
+        raise IncompatibleTensors(f"base fingerprints do not match the tensors: missing {missing}, unexpected {extra}")
+    for name, fp in base_fingerprints.items():
+        if not isinstance(fp, int) or isinstance(fp, bool) or not 0 <= fp < 1 << 64:
+            raise InvalidInput(f"{name}: base fingerprint must be an int in [0, 2**64)")
+
+
+def diff(
+    specs: Mapping[str, TensorSpec],
+    old: Mapping[str, NDArray[Any]],
+    new: Mapping[str, NDArray[Any]],
+    *,
+    base_fingerprints: Mapping[str, int] | None = None,
+) -> Patch:
+    """The patch that turns ``old`` into ``new``, for every tensor of ``specs``.
+
+    Arrays may have any dtype of the spec's width (they are compared as bits) and must
+    have the spec's shape and be C-contiguous. Unchanged tensors get empty deltas.
+    Target fingerprints are computed in O(changed) from the base ones; pass
+    ``base_fingerprints`` (the fingerprints of ``old``, which the publisher already
+    holds) to skip hashing every base tensor in full. They are trusted: a wrong base
+    fingerprint yields a patch that no holder of ``old`` will accept.
+    """
+    for name, spec in specs.items():
+        if not isinstance(spec, TensorSpec) or spec.name != name:
+            raise InvalidInput(f"specs[{name!r}] must be the TensorSpec named {name!r}")
+    for role, tensors in (("old", old), ("new", new)):
+        if tensors.keys() != specs.keys():
+            missing = sorted(specs.keys() - tensors.keys())[:5]
+            extra = sorted(tensors.keys() - specs.keys())[:5]
+            raise IncompatibleTensors(f"{role} tensors: missing {missing}, unexpected {extra}")
+    if base_fingerprints is not None:
+        _check_fingerprints(specs, base_fingerprints)
+    # Validate every array before the expensive work so bad input fails fast.
+    pairs = {name: (as_bits(old[name], spec, "old"), as_bits(new[name], spec, "new")) for name, spec in specs.items()}
+    out: dict[str, TensorDelta] = {}
+    for name in sorted(specs):
+        spec = specs[name]
+        a, b = pairs[name]
+        indices, was, delta = _changes(a, b)
+        base = fingerprint(a) if base_fingerprints is None else base_fingerprints[name]
+        target = (base + fingerprint_change(indices, was, was + delta)) & 0xFFFFFFFFFFFFFFFF
+        out[name] = TensorDelta(spec, indices, delta, base, target)
+    return Patch(out)

@@ -1,0 +1,235 @@
+"""Constants and the typed header model of patch shards (docs/FORMAT.md, "Patch shards").
+
+A shard is a 40-byte fixed header, a canonical JSON header and a payload of compressed
+streams. This module holds what both sides of the codec share: the byte layout of the
+fixed header, the codec ids, the reader limits, the dataclasses a parsed header becomes,
+and the canonical JSON that makes encoding deterministic. Parsing lives in
+:mod:`patcher.decode`, writing in :mod:`patcher.encode`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Final
+
+from bulletin.errors import InvalidInput
+from patcher.fingerprint import format_fingerprint
+from patcher.patch import TensorSpec
+
+__all__ = [
+    "CODEC_IDS",
+    "CODEC_NAMES",
+    "DEFAULT_LIMITS",
+    "FILE_TYPE_PATCH_SHARD",
+    "FIXED_HEADER",
+    "FIXED_HEADER_SIZE",
+    "FORMAT_MAJOR",
+    "FORMAT_MINOR",
+    "MAGIC",
+    "MAX_NUMEL",
+    "DecodeLimits",
+    "EntryInfo",
+    "ShardHeader",
+    "StreamRef",
+    "TensorInfo",
+    "canonical_json",
+    "codes_size",
+    "compute_patch_id",
+    "tensor_document",
+]
+
+#: PNG-style signature: a high byte, a name, then CR LF, ^Z and LF so that any transfer
+#: that rewrites line endings or strips the eighth bit is caught on the first read.
+MAGIC: Final = b"\x89BLT\r\n\x1a\n"
+FORMAT_MAJOR: Final = 1
+FORMAT_MINOR: Final = 0
+FILE_TYPE_PATCH_SHARD: Final = 1
+
+#: magic, major, minor, file type, codec id, stored header length, JSON header length,
+#: payload length, payload CRC-32, header CRC-32; little-endian, no padding.
+FIXED_HEADER: Final = struct.Struct("<8sHHHHIIQII")
+FIXED_HEADER_SIZE: Final = FIXED_HEADER.size
+#: The header CRC covers the fixed header up to (not including) its own field.
+HEADER_CRC_OFFSET: Final = FIXED_HEADER_SIZE - 4
+
+CODEC_IDS: Final[Mapping[str, int]] = {"zstd": 1, "lz4": 2}
+CODEC_NAMES: Final[Mapping[int, str]] = {v: k for k, v in CODEC_IDS.items()}
+
+#: Indices are int64, so no tensor may have 2**63 elements or more.
+MAX_NUMEL: Final = (1 << 63) - 1
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeLimits:
+    """Caps a reader enforces before it allocates anything a shard asks for.
+
+    The defaults admit any patch this codec writes for models far larger than today's
+    (a one-shard offline patch of a 70B model included) and refuse the rest early.
+    """
+
+    #: Largest JSON header accepted, in bytes.
+    max_header_bytes: int = 16 << 20
+    #: Most shards one patch may have.
+    max_shards: int = 1 << 16
+    #: Most tensors one patch may describe.
+    max_tensors: int = 1 << 20
+    #: Most entries one shard may hold.
+    max_entries: int = 1 << 20
+    #: Most dimensions a tensor shape may have.
+    max_ndim: int = 64
+    #: Most decompressed bytes a stream may declare per compressed byte (zstd's own
+    #: ceiling is about 32768; LZ4's about 255).
+    max_expansion: int = 1 << 16
+    #: Most bytes one shard may make a reader hold: decompressed streams plus the
+    #: decoded index and delta arrays.
+    max_decoded_bytes: int = 16 << 30
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InvalidInput(f"DecodeLimits.{f.name} must be a positive int, got {value!r}")
+
+
+DEFAULT_LIMITS: Final = DecodeLimits()
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    """What every shard that holds part of a tensor says about the whole tensor."""
+
+    spec: TensorSpec
+    base_fingerprint: int
+    target_fingerprint: int
+    #: Changed elements of the tensor over the whole patch (all shards together).
+    changed: int
+
+
+@dataclass(frozen=True, slots=True)
+class StreamRef:
+    """Where a compressed stream lies in the payload."""
+
+    offset: int
+    length: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+def codes_size(count: int) -> int:
+    """Bytes of the packed 2-bit delta codes of ``count`` elements."""
+    return (count + 3) // 4
+
+
+@dataclass(frozen=True, slots=True)
+class EntryInfo:
+    """One element range ``[start, stop)`` of a tensor and the streams that encode it."""
+
+    tensor: str
+    start: int
+    stop: int
+    #: Changed elements in ``[start, stop)``.
+    count: int
+    gaps: StreamRef
+    #: Bytes per gap (1..8); 0 for an empty entry.
+    gap_width: int
+    deltas: StreamRef
+    #: Elements whose zig-zag delta does not fit a 2-bit code.
+    escapes: int
+    #: Bytes per escape value (1..element width); 0 when there are none.
+    escape_width: int
+
+    @property
+    def gaps_size(self) -> int:
+        """Decompressed size of the gap stream."""
+        return self.count * self.gap_width
+
+    @property
+    def deltas_size(self) -> int:
+        """Decompressed size of the delta stream."""
+        return codes_size(self.count) + self.escapes * self.escape_width
+
+    def document(self) -> dict[str, object]:
+        """The entry's JSON object."""
+        return {
+            "count": self.count,
+            "deltas": [self.deltas.offset, self.deltas.length, self.escapes, self.escape_width],
+            "gaps": [self.gaps.offset, self.gaps.length, self.gap_width],
+            "start": self.start,
+            "stop": self.stop,
+            "tensor": self.tensor,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class ShardHeader:
+    """A parsed and validated shard header; cheap to get (no payload is read)."""
+
+    major: int
+    minor: int
+    codec: str
+    #: Bytes of the header as stored (compressed unless equal to ``json_length``).
+    header_length: int
+    #: Bytes of the canonical JSON header once decompressed.
+    json_length: int
+    payload_length: int
+    header_crc32: int
+    payload_crc32: int
+    #: Identity of the whole patch (:func:`compute_patch_id`), equal in all its shards.
+    patch_id: str
+    shard_index: int
+    shard_count: int
+    #: Every tensor with at least one entry in this shard, by name.
+    tensors: Mapping[str, TensorInfo]
+    #: In payload order: by tensor name, then by start.
+    entries: tuple[EntryInfo, ...]
+
+    @property
+    def payload_offset(self) -> int:
+        return FIXED_HEADER_SIZE + self.header_length
+
+    @property
+    def size(self) -> int:
+        """Exact byte size of the shard."""
+        return self.payload_offset + self.payload_length
+
+    @property
+    def changed(self) -> int:
+        """Changed elements carried by this shard."""
+        return sum(e.count for e in self.entries)
+
+
+def canonical_json(document: object) -> bytes:
+    """The one serialisation writers emit and readers insist on.
+
+    Sorted keys (by code point), no whitespace, non-ASCII as raw UTF-8, integers only.
+    """
+    return json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode(
+        "utf-8"
+    )
+
+
+def tensor_document(info: TensorInfo) -> dict[str, object]:
+    """A tensor's JSON object in a shard header."""
+    return {
+        "base": format_fingerprint(info.base_fingerprint),
+        "changed": info.changed,
+        "dtype": info.spec.dtype,
+        "shape": list(info.spec.shape),
+        "target": format_fingerprint(info.target_fingerprint),
+    }
+
+
+def compute_patch_id(tensors: Mapping[str, TensorInfo]) -> str:
+    """SHA-256 (hex) of the canonical JSON object of every tensor of the patch.
+
+    It names the transition (layout, fingerprints before and after, change counts), not
+    an encoding of it: the same patch sharded or compressed differently has the same id.
+    """
+    doc = {name: tensor_document(info) for name, info in tensors.items()}
+    return hashlib.sha256(canonical_json(doc)).hexdigest()

@@ -1,0 +1,72 @@
+"""Test data shared by the kernel tests (no hypothesis here: the GPU machine may lack it)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from patcher.cast import cast_bits
+from patcher.diff import diff
+from patcher.dtypes import bits_dtype
+from patcher.patch import Patch, TensorSpec
+
+#: F32 bit patterns where casts go wrong if anything does: zeros, infinities, NaNs with
+#: payloads, subnormals, rounding ties of both parities, overflow edges.
+SPECIALS = np.array(
+    [
+        0x00000000, 0x80000000,  # +-0
+        0x7F800000, 0xFF800000,  # +-Inf
+        0x7F800001, 0x7FC00000, 0x7FFFFFFF, 0xFF800001, 0xFFC00000, 0xFFFFFFFF,  # NaNs
+        0x7FA00000, 0x7F80FFFF, 0x7F812345, 0xFFBFFFFF,  # NaN payloads, signalling too
+        0x00000001, 0x007FFFFF, 0x80000001, 0x807FFFFF, 0x00400000,  # F32 subnormals
+        0x00800000, 0x7F7FFFFF, 0xFF7FFFFF, 0x3F800000, 0xBF800000,  # normal edges, +-1
+        0x3F808000, 0x3F818000, 0x3F808001, 0x3F807FFF,  # BF16 ties (even/odd) and neighbours
+        0x7F7F8000, 0x7F7F7FFF, 0x7F7FFFFF,  # BF16 overflow to Inf at the top
+        0x33000000, 0x33000001, 0x32FFFFFF, 0x33C00000, 0x33400000,  # F16 subnormal ties
+        0x387FC000, 0x387FE000, 0x38800000, 0x38801000, 0x38803000,  # F16 subnormal/normal edge
+        0x477FE000, 0x477FEFFF, 0x477FF000, 0x477FF001, 0x47800000,  # F16 overflow edge
+        0x3F801000, 0x3F803000, 0x3F800FFF, 0x3F801001,  # F16 ties and neighbours
+    ],
+    dtype=np.uint32,
+)  # fmt: skip
+
+#: (current dtype, served dtype): every cast kind and every width.
+CASTS = [("U8", "U8"), ("BF16", "BF16"), ("F32", "F32"), ("F64", "F64"), ("F32", "BF16"), ("F32", "F16")]
+
+
+def random_bits(rng: np.random.Generator, dtype: str, shape: tuple[int, ...]) -> NDArray[Any]:
+    """Uniformly random bits of ``dtype`` (every pattern, NaNs included)."""
+    info = np.iinfo(bits_dtype(dtype))
+    return rng.integers(0, info.max, shape, dtype=info.dtype, endpoint=True)
+
+
+def pair(
+    rng: np.random.Generator, source: str, served: str, shape: tuple[int, ...], density: float
+) -> tuple[NDArray[Any], NDArray[Any]]:
+    """Current bits and kept bits that differ from their cast at about ``density``."""
+    current = random_bits(rng, source, shape)
+    kept = cast_bits(current, source, served)
+    flip = rng.random(shape) < density
+    kept[flip] ^= rng.integers(1, 256, int(flip.sum())).astype(kept.dtype)
+    return current, kept
+
+
+def sorted_unique(rng: np.random.Generator, n: int, m: int) -> NDArray[np.int64]:
+    """``min(m, n)`` distinct indices below ``n``, ascending."""
+    return np.sort(rng.choice(n, size=min(m, n), replace=False)).astype(np.int64)
+
+
+def model_patch(rng: np.random.Generator) -> tuple[Patch, dict[str, NDArray[Any]], dict[str, NDArray[Any]]]:
+    """A small model, its next version, and the patch between them."""
+    specs = {
+        "embed.weight": TensorSpec("embed.weight", "BF16", (64, 16)),
+        "norm.weight": TensorSpec("norm.weight", "F32", (16,)),
+        "head.bias": TensorSpec("head.bias", "I8", (5,)),
+    }
+    old = {name: random_bits(rng, spec.dtype, spec.shape) for name, spec in specs.items()}
+    new = {name: bits.copy() for name, bits in old.items()}
+    new["embed.weight"][::7, ::3] += 1
+    new["head.bias"][2] ^= 0x40
+    return diff(specs, old, new), old, new

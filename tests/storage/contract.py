@@ -1,0 +1,498 @@
+"""The contract every store backend passes: inherit :class:`StoreContract`, give ``store``.
+
+Modelled on zarr's ``StoreTests`` and fsspec's pipe tests: one suite, every backend.
+A subclass provides a ``store`` fixture (a fresh, empty store) and may set
+``race_in_processes`` when its writers can race from separate processes (they
+reopen the store from ``store.url``).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from datetime import datetime
+from typing import Any, ClassVar
+
+import pytest
+
+from bulletin.errors import InvalidInput, NotFound
+from bulletin.storage import (
+    Conflicted,
+    ObjectData,
+    Store,
+    Updated,
+    get_many,
+    open_store,
+    put_many_if_absent,
+)
+from tests.storage import race_workers
+
+BAD_KEYS: list[object] = [
+    "",
+    "/abs",
+    "a//b",
+    "a/",
+    "./a",
+    "a/./b",
+    "a/../b",
+    "..",
+    "a\\b",
+    "a\x00b",
+    "a\nb",
+    "\ud800",
+    "a/.bulletin-tmp-x",
+    "x" * 1025,
+    "é" * 513,  # 1026 UTF-8 bytes
+    b"bytes",
+    None,
+    7,
+]
+
+#: Keys whose order checks lexicographic (code point = UTF-8 byte) listing order:
+#: "." (0x2E) < "/" (0x2F) < "-"... and no key is a "directory" of another.
+LIST_KEYS = [
+    "A",
+    "a-b",
+    "a.c",
+    "a/b",
+    "a/c/d",
+    "a/c/e",
+    "a/cd",
+    "ab",
+    "b",
+    "b0/x",
+    "bb/~",
+    "z/√",
+    "é",
+    "日本/語",
+]
+LIST_PREFIXES = ["", "a", "a/", "a/c", "a/c/", "b", "bb/", "z/√", "日", "nothing", "a/c/d"]
+LIST_STARTS: list[str | None] = [None, "", "A", "a", "a/", "a/b", "a/c", "a/c/d", "a0", "b0", "é", "~"]
+
+RACE_WRITERS = 16
+RACE_ROUNDS = 4
+CAS_WRITERS = 4
+CAS_INCREMENTS = 6
+RACE_TIMEOUT = 120.0
+
+
+def _model_list(keys: list[str], prefix: str, start_after: str | None) -> list[str]:
+    return [k for k in sorted(keys) if k.startswith(prefix) and (start_after is None or k > start_after)]
+
+
+class StoreContract:
+    """Behaviour every :class:`~bulletin.storage.Store` implementation must show."""
+
+    race_in_processes: ClassVar[bool] = False
+
+    @pytest.fixture
+    def store(self) -> Iterator[Store]:
+        raise NotImplementedError("subclasses provide a fresh, empty store")
+
+    # -- round trips ------------------------------------------------------------------
+
+    def test_is_a_store(self, store: Store) -> None:
+        assert isinstance(store, Store)
+        assert "@" not in store.url
+
+    def test_round_trip(self, store: Store) -> None:
+        created = store.put_if_absent("dir/sub/object.bin", b"hello")
+        assert isinstance(created, Updated)
+        got = store.get("dir/sub/object.bin")
+        assert got == ObjectData(b"hello", created.etag)
+        info = store.stat("dir/sub/object.bin")
+        assert (info.key, info.size, info.etag) == ("dir/sub/object.bin", 5, created.etag)
+        assert isinstance(info.last_modified, datetime)
+        assert info.last_modified.utcoffset() is not None
+
+    def test_binary_data(self, store: Store) -> None:
+        data = bytes(range(256)) * 33 + b"\x00\r\n\xff"
+        store.put_if_absent("bin", data)
+        assert store.get("bin").data == data
+
+    def test_empty_object(self, store: Store) -> None:
+        created = store.put_if_absent("empty", b"")
+        assert isinstance(created, Updated)
+        assert store.get("empty") == ObjectData(b"", created.etag)
+        assert store.stat("empty").size == 0
+        assert [i.size for i in store.list("empty")] == [0]
+
+    def test_large_object(self, store: Store) -> None:
+        data = bytes(range(251)) * (3 * 1024 * 1024 // 251)  # ~3 MiB, not a power of two
+        created = store.put_if_absent("large", data)
+        assert isinstance(created, Updated)
+        assert store.get("large") == ObjectData(data, created.etag)
+
+    def test_bytes_like_data(self, store: Store) -> None:
+        buffer = bytearray(b"mutable")
+        store.put_if_absent("ba", buffer)  # type: ignore[arg-type]
+        buffer[:] = b"changed"  # the store kept its own copy
+        store.put_if_absent("mv", memoryview(b"view"))  # type: ignore[arg-type]
+        assert store.get("ba").data == b"mutable"
+        assert store.get("mv").data == b"view"
+
+    @pytest.mark.parametrize("data", ["text", 5, None, [1, 2]])
+    def test_non_bytes_data_rejected(self, store: Store, data: object) -> None:
+        with pytest.raises(InvalidInput):
+            store.put_if_absent("k", data)  # type: ignore[arg-type]
+        with pytest.raises(InvalidInput):
+            store.put_if_match("k", data, "etag")  # type: ignore[arg-type]
+        assert list(store.list("")) == []
+
+    def test_unicode_and_odd_keys(self, store: Store) -> None:
+        keys = ["日本/語.bin", "sp ace/x y", "a+b=c&d?e#f", "percent%2Fslash", "~tilde", "-dash", "..dots"]
+        for key in keys:
+            assert isinstance(store.put_if_absent(key, key.encode()), Updated)
+        for key in keys:
+            assert store.get(key).data == key.encode()
+        assert [i.key for i in store.list("")] == sorted(keys)
+
+    def test_longest_key(self, store: Store) -> None:
+        # 1024 bytes minus the store's own prefix, in segments a file system accepts.
+        budget = 1024 - len(getattr(store, "prefix", "").encode())
+        segments = ["s" * 200] * (budget // 201)
+        key = "/".join([*segments, "k" * (budget - 201 * len(segments))])
+        assert len(key.encode()) == budget
+        store.put_if_absent(key, b"long")
+        assert store.get(key).data == b"long"
+        with pytest.raises(InvalidInput):
+            store.put_if_absent(key + "x", b"too long")
+
+    # -- not found --------------------------------------------------------------------
+
+    def test_missing_key(self, store: Store) -> None:
+        with pytest.raises(NotFound) as excinfo:
+            store.get("missing/key")
+        assert isinstance(excinfo.value, KeyError)
+        with pytest.raises(NotFound):
+            store.stat("missing/key")
+        with pytest.raises(NotFound):
+            store.get_if_changed("missing/key", None)
+        with pytest.raises(NotFound):
+            store.get_if_changed("missing/key", "some-etag")
+
+    def test_prefix_of_a_key_is_not_an_object(self, store: Store) -> None:
+        store.put_if_absent("dir/object", b"x")
+        with pytest.raises(NotFound):
+            store.get("dir")
+        with pytest.raises(NotFound):
+            store.stat("dir")
+
+    # -- conditional reads ------------------------------------------------------------
+
+    def test_get_if_changed(self, store: Store) -> None:
+        first = store.put_if_absent("head", b"v1")
+        assert isinstance(first, Updated)
+        assert store.get_if_changed("head", first.etag) is None
+        assert store.get_if_changed("head", None) == ObjectData(b"v1", first.etag)
+        second = store.put_if_match("head", b"v2", first.etag)
+        assert isinstance(second, Updated)
+        assert store.get_if_changed("head", first.etag) == ObjectData(b"v2", second.etag)
+        assert store.get_if_changed("head", second.etag) is None
+        assert store.get_if_changed("head", "not-an-etag-of-ours") == ObjectData(b"v2", second.etag)
+
+    # -- conditional writes -----------------------------------------------------------
+
+    def test_create_only_conflict(self, store: Store) -> None:
+        first = store.put_if_absent("once", b"first")
+        assert isinstance(first, Updated)
+        second = store.put_if_absent("once", b"second")
+        assert second == Conflicted(first.etag)
+        assert store.get("once") == ObjectData(b"first", first.etag)
+
+    def test_cas_success(self, store: Store) -> None:
+        first = store.put_if_absent("head", b"1")
+        assert isinstance(first, Updated)
+        second = store.put_if_match("head", b"2", first.etag)
+        assert isinstance(second, Updated)
+        assert second.etag != first.etag
+        assert store.get("head") == ObjectData(b"2", second.etag)
+
+    def test_cas_stale(self, store: Store) -> None:
+        first = store.put_if_absent("head", b"1")
+        assert isinstance(first, Updated)
+        second = store.put_if_match("head", b"2", first.etag)
+        assert isinstance(second, Updated)
+        stale = store.put_if_match("head", b"3", first.etag)
+        assert stale == Conflicted(second.etag)
+        assert store.get("head") == ObjectData(b"2", second.etag)
+
+    def test_cas_absent(self, store: Store) -> None:
+        assert store.put_if_match("nothing", b"x", "whatever") == Conflicted(None)
+        with pytest.raises(NotFound):
+            store.get("nothing")
+
+    def test_cas_after_delete(self, store: Store) -> None:
+        first = store.put_if_absent("head", b"1")
+        assert isinstance(first, Updated)
+        store.delete("head")
+        assert store.put_if_match("head", b"2", first.etag) == Conflicted(None)
+        assert list(store.list("")) == []
+
+    @pytest.mark.parametrize("etag", ["", None, 5])
+    def test_cas_bad_etag(self, store: Store, etag: object) -> None:
+        store.put_if_absent("head", b"1")
+        with pytest.raises(InvalidInput):
+            store.put_if_match("head", b"2", etag)  # type: ignore[arg-type]
+        assert store.get("head").data == b"1"
+
+    # -- delete -----------------------------------------------------------------------
+
+    def test_delete_is_idempotent(self, store: Store) -> None:
+        store.delete("never/existed")
+        store.put_if_absent("dir/gone", b"x")
+        store.put_if_absent("dir/kept", b"y")
+        store.delete("dir/gone")
+        store.delete("dir/gone")
+        with pytest.raises(NotFound):
+            store.get("dir/gone")
+        assert [i.key for i in store.list("")] == ["dir/kept"]
+        recreated = store.put_if_absent("dir/gone", b"again")
+        assert isinstance(recreated, Updated)
+        assert store.get("dir/gone").data == b"again"
+
+    # -- listing ----------------------------------------------------------------------
+
+    def test_list_order_prefix_start_after(self, store: Store) -> None:
+        for key in LIST_KEYS:
+            store.put_if_absent(key, key.encode())
+        for prefix in LIST_PREFIXES:
+            for start in LIST_STARTS:
+                got = [i.key for i in store.list(prefix, start_after=start)]
+                assert got == _model_list(LIST_KEYS, prefix, start), (prefix, start)
+
+    def test_list_infos_match_stat(self, store: Store) -> None:
+        store.put_if_absent("x/one", b"1")
+        store.put_if_absent("x/three", b"333")
+        infos = list(store.list("x/"))
+        assert [(i.key, i.size) for i in infos] == [("x/one", 1), ("x/three", 3)]
+        for info in infos:
+            stat = store.stat(info.key)
+            assert info.etag == stat.etag
+            assert info.last_modified is not None
+            assert info.last_modified.utcoffset() is not None
+
+    def test_list_many_keys_crosses_pages(self, store: Store) -> None:
+        keys = {f"many/{d}/{i:03d}": b"" for d in ("p", "q") for i in range(23)}
+        put_many_if_absent(store, keys)
+        assert [i.key for i in store.list("many/")] == sorted(keys)
+        assert [i.key for i in store.list("many/", start_after="many/p/010")] == [
+            k for k in sorted(keys) if k > "many/p/010"
+        ]
+
+    def test_list_validates_before_iterating(self, store: Store) -> None:
+        for prefix in ["/abs", "a//", "../x", "a\\", "x\x00", 5]:
+            with pytest.raises(InvalidInput):
+                store.list(prefix)  # type: ignore[arg-type]
+        with pytest.raises(InvalidInput):
+            store.list("", start_after=5)  # type: ignore[arg-type]
+
+    def test_list_empty(self, store: Store) -> None:
+        assert list(store.list("")) == []
+        assert list(store.list("nothing/here/")) == []
+
+    # -- keys -------------------------------------------------------------------------
+
+    @pytest.mark.parametrize("key", BAD_KEYS, ids=repr)
+    def test_bad_keys_rejected(self, store: Store, key: Any) -> None:
+        calls: list[Callable[[], object]] = [
+            lambda: store.get(key),
+            lambda: store.get_if_changed(key, None),
+            lambda: store.stat(key),
+            lambda: store.put_if_absent(key, b"x"),
+            lambda: store.put_if_match(key, b"x", "etag"),
+            lambda: store.delete(key),
+        ]
+        for call in calls:
+            with pytest.raises(InvalidInput):
+                call()
+        assert list(store.list("")) == []
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    def test_url_reopens_the_same_store(self, store: Store) -> None:
+        store.put_if_absent("shared", b"seen")
+        other = open_store(store.url)
+        try:
+            assert other.url == store.url
+            assert other.get("shared").data == b"seen"
+        finally:
+            other.close()
+
+    def test_closed_store_refuses_calls(self, store: Store) -> None:
+        store.put_if_absent("k", b"v")
+        store.close()
+        store.close()  # idempotent
+        with pytest.raises(InvalidInput, match="closed"):
+            store.get("k")
+        with pytest.raises(InvalidInput, match="closed"):
+            store.list("")
+
+    # -- bulk transfers ---------------------------------------------------------------
+
+    def test_put_many_and_get_many(self, store: Store) -> None:
+        items = {f"shards/{i:02d}": bytes([i]) * (i + 1) for i in range(20)}
+        sent: list[int] = []
+        results = put_many_if_absent(store, items, max_workers=4, on_bytes=sent.append)
+        assert list(results) == list(items)
+        assert all(isinstance(r, Updated) for r in results.values())
+        assert sorted(sent) == sorted(len(v) for v in items.values())
+        again = put_many_if_absent(store, items)
+        assert all(isinstance(r, Conflicted) for r in again.values())
+        received: list[int] = []
+        keys = list(reversed(items))
+        got = get_many(store, keys, max_workers=3, on_bytes=received.append)
+        assert list(got) == keys
+        assert got == items
+        assert sum(received) == sum(len(v) for v in items.values())
+        with pytest.raises(NotFound):
+            get_many(store, [*keys, "shards/missing"])
+
+    # -- races ------------------------------------------------------------------------
+
+    def test_create_only_race_has_one_winner(self, store: Store) -> None:
+        if self.race_in_processes:
+            outcomes = self._race_create_in_processes(store.url)
+        else:
+            outcomes = self._race_create_in_threads(store)
+        assert len(outcomes) == RACE_WRITERS * RACE_ROUNDS
+        for round_no in range(RACE_ROUNDS):
+            this_round = [o for o in outcomes if o[0] == round_no]
+            winners = [o for o in this_round if o[2]]
+            assert len(winners) == 1, f"round {round_no}: {len(winners)} winners"
+            _, writer, _, etag = winners[0]
+            assert etag is not None
+            stored = store.get(f"race/{round_no}")
+            assert stored == ObjectData(race_workers.payload(writer, round_no), etag)
+            # Every loser saw the winner's object, never a half-written one.
+            assert {o[3] for o in this_round} == {etag}
+
+    def _race_create_in_threads(self, store: Store) -> list[tuple[int, int, bool, str | None]]:
+        barrier = threading.Barrier(RACE_WRITERS, timeout=RACE_TIMEOUT)
+        results: queue.Queue[tuple[int, int, bool, str | None]] = queue.Queue()
+        errors: list[BaseException] = []
+
+        def writer(number: int) -> None:
+            try:
+                for round_no in range(RACE_ROUNDS):
+                    barrier.wait()
+                    outcome = store.put_if_absent(f"race/{round_no}", race_workers.payload(number, round_no))
+                    won = isinstance(outcome, Updated)
+                    etag = outcome.etag if isinstance(outcome, Updated) else outcome.current_etag
+                    results.put((round_no, number, won, etag))
+            except BaseException as exc:  # reported below, in the test's thread
+                errors.append(exc)
+                barrier.abort()
+
+        threads = [threading.Thread(target=writer, args=(n,)) for n in range(RACE_WRITERS)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(RACE_TIMEOUT)
+        assert not errors, errors
+        return [results.get_nowait() for _ in range(results.qsize())]
+
+    def _race_create_in_processes(self, url: str) -> list[tuple[int, int, bool, str | None]]:
+        ctx = multiprocessing.get_context("spawn")
+        barrier = ctx.Barrier(RACE_WRITERS, timeout=RACE_TIMEOUT)
+        results = ctx.Queue()
+        procs = [
+            ctx.Process(
+                target=race_workers.create_only_writer,
+                args=(url, n, RACE_ROUNDS, barrier, results, "race/"),
+            )
+            for n in range(RACE_WRITERS)
+        ]
+        for p in procs:
+            p.start()
+        outcomes = [results.get(timeout=RACE_TIMEOUT) for _ in range(RACE_WRITERS * RACE_ROUNDS)]
+        for p in procs:
+            p.join(RACE_TIMEOUT)
+            assert p.exitcode == 0
+        results.close()
+        results.join_thread()
+        return outcomes
+
+    def test_cas_race_never_loses_an_update_nor_moves_back(self, store: Store) -> None:
+        first = store.put_if_absent("head", b"0")
+        assert isinstance(first, Updated)
+        stop = threading.Event()
+        seen: list[int] = []
+        reader_errors: list[BaseException] = []
+
+        def reader() -> None:
+            # Polls like a rollout node; records every value it sees, in order.
+            try:
+                while not stop.is_set():
+                    seen.append(int(store.get("head").data))
+            except BaseException as exc:
+                reader_errors.append(exc)
+
+        watcher = threading.Thread(target=reader)
+        watcher.start()
+        try:
+            if self.race_in_processes:
+                written = self._race_cas_in_processes(store.url)
+            else:
+                written = self._race_cas_in_threads(store)
+        finally:
+            stop.set()
+            watcher.join(RACE_TIMEOUT)
+        assert not reader_errors, reader_errors
+        total = CAS_WRITERS * CAS_INCREMENTS
+        # Each value was written by exactly one successful CAS: no two writers ever
+        # both won from the same base, and no success was lost.
+        assert sorted(written) == list(range(1, total + 1))
+        assert int(store.get("head").data) == total
+        assert seen == sorted(seen), "the head moved backwards"
+
+    def _race_cas_in_threads(self, store: Store) -> list[int]:
+        barrier = threading.Barrier(CAS_WRITERS, timeout=RACE_TIMEOUT)
+        written: queue.Queue[int] = queue.Queue()
+        errors: list[BaseException] = []
+
+        def writer() -> None:
+            try:
+                barrier.wait()
+                done = 0
+                while done < CAS_INCREMENTS:
+                    current = store.get("head")
+                    value = int(current.data) + 1
+                    outcome = store.put_if_match("head", str(value).encode(), current.etag)
+                    if isinstance(outcome, Updated):
+                        written.put(value)
+                        done += 1
+            except BaseException as exc:
+                errors.append(exc)
+                barrier.abort()
+
+        threads = [threading.Thread(target=writer) for _ in range(CAS_WRITERS)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(RACE_TIMEOUT)
+        assert not errors, errors
+        return [written.get_nowait() for _ in range(written.qsize())]
+
+    def _race_cas_in_processes(self, url: str) -> list[int]:
+        ctx = multiprocessing.get_context("spawn")
+        barrier = ctx.Barrier(CAS_WRITERS, timeout=RACE_TIMEOUT)
+        results = ctx.Queue()
+        procs = [
+            ctx.Process(
+                target=race_workers.cas_writer,
+                args=(url, "head", CAS_INCREMENTS, barrier, results),
+            )
+            for _ in range(CAS_WRITERS)
+        ]
+        for p in procs:
+            p.start()
+        written = [int(results.get(timeout=RACE_TIMEOUT)) for _ in range(CAS_WRITERS * CAS_INCREMENTS)]
+        for p in procs:
+            p.join(RACE_TIMEOUT)
+            assert p.exitcode == 0
+        results.close()
+        results.join_thread()
+        return written

@@ -1,0 +1,137 @@
+"""S3 store configuration and error translation: no server needed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import botocore.exceptions as bx
+import pytest
+
+from bulletin.errors import (
+    AccessDenied,
+    BulletinError,
+    ConfigError,
+    InvalidInput,
+    NotFound,
+    StorageUnavailable,
+)
+from bulletin.storage import S3Store, open_store
+from bulletin.storage.s3 import translate_error
+
+
+def _client_error(code: str, status: int, message: str = "msg") -> bx.ClientError:
+    response: Any = {"Error": {"Code": code, "Message": message}, "ResponseMetadata": {"HTTPStatusCode": status}}
+    return bx.ClientError(response, "GetObject")
+
+
+@pytest.mark.parametrize(
+    ("error", "expected"),
+    [
+        (_client_error("NoSuchKey", 404), NotFound),
+        (_client_error("404", 404), NotFound),
+        (_client_error("NoSuchBucket", 404), AccessDenied),
+        (_client_error("AccessDenied", 403), AccessDenied),
+        (_client_error("InvalidAccessKeyId", 403), AccessDenied),
+        (_client_error("SignatureDoesNotMatch", 403), AccessDenied),
+        (_client_error("ExpiredToken", 400), AccessDenied),
+        (_client_error("403", 403), AccessDenied),
+        (_client_error("PermanentRedirect", 301), ConfigError),
+        (_client_error("AuthorizationHeaderMalformed", 400), ConfigError),
+        (_client_error("NotImplemented", 501), ConfigError),
+        (_client_error("InvalidBucketName", 400), ConfigError),
+        (_client_error("EntityTooLarge", 400), InvalidInput),
+        (_client_error("SlowDown", 503), StorageUnavailable),
+        (_client_error("InternalError", 500), StorageUnavailable),
+        (bx.NoCredentialsError(), AccessDenied),
+        (bx.PartialCredentialsError(provider="env", cred_var="AWS_SECRET_ACCESS_KEY"), AccessDenied),
+        (bx.ProfileNotFound(profile="p"), ConfigError),
+        (bx.NoRegionError(), ConfigError),
+        (bx.EndpointConnectionError(endpoint_url="http://127.0.0.1:1"), StorageUnavailable),
+        (bx.ConnectTimeoutError(endpoint_url="http://127.0.0.1:1"), StorageUnavailable),
+        (bx.ReadTimeoutError(endpoint_url="http://127.0.0.1:1"), StorageUnavailable),
+        (bx.ConnectionClosedError(endpoint_url="http://127.0.0.1:1"), StorageUnavailable),
+        (bx.ParamValidationError(report="bad"), InvalidInput),
+    ],
+    ids=lambda v: type(v).__name__ if isinstance(v, Exception) else getattr(v, "__name__", ""),
+)
+def test_translate_error(error: Exception, expected: type[BulletinError]) -> None:
+    translated = translate_error(error, "s3://b: 'k'")
+    assert type(translated) is expected
+    assert "s3://b: 'k'" in str(translated)
+    # Raised the way the store raises it, the botocore error stays the cause.
+    with pytest.raises(expected) as excinfo:
+        raise translated from error
+    assert excinfo.value.__cause__ is error
+
+
+def test_access_denied_is_storage_unavailable_and_oserror() -> None:
+    # Callers that retry on StorageUnavailable also see AccessDenied; both are OSErrors.
+    assert issubclass(AccessDenied, StorageUnavailable)
+    assert isinstance(translate_error(bx.NoCredentialsError(), "x"), OSError)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"bucket": "a"}, "bucket"),
+        ({"bucket": "has/slash"}, "bucket"),
+        ({"bucket": "-leading"}, "bucket"),
+        ({"bucket": "b" * 256}, "bucket"),
+        ({"bucket": "ok-bucket", "region": "Not A Region"}, "region"),
+        ({"bucket": "ok-bucket", "endpoint_url": "ftp://host"}, "endpoint_url"),
+        ({"bucket": "ok-bucket", "endpoint_url": "http://user:pw@host:1"}, "credentials"),
+        ({"bucket": "ok-bucket", "endpoint_url": "http://host?x=1"}, "query"),
+        ({"bucket": "ok-bucket", "addressing_style": "sideways"}, "addressing_style"),
+        ({"bucket": "ok-bucket", "retry_mode": "legacy"}, "retry_mode"),
+        ({"bucket": "ok-bucket", "max_attempts": 0}, "max_attempts"),
+        ({"bucket": "ok-bucket", "max_attempts": 21}, "max_attempts"),
+        ({"bucket": "ok-bucket", "max_attempts": True}, "max_attempts"),
+        ({"bucket": "ok-bucket", "connect_timeout": -1.0}, "connect_timeout"),
+        ({"bucket": "ok-bucket", "read_timeout": 0}, "read_timeout"),
+        ({"bucket": "ok-bucket", "max_pool_connections": 2.5}, "max_pool_connections"),
+        ({"bucket": "ok-bucket", "page_size": 1001}, "page_size"),
+        ({"bucket": "ok-bucket", "prefix": "a/../b"}, "prefix"),
+    ],
+)
+def test_bad_configuration(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        S3Store(**kwargs)
+
+
+def test_session_and_profile_are_exclusive() -> None:
+    import boto3
+
+    with pytest.raises(ConfigError, match="session"):
+        S3Store("ok-bucket", session=boto3.session.Session(), profile="p")
+
+
+def test_canonical_url_lists_only_non_defaults() -> None:
+    store = S3Store(
+        "my-bucket",
+        "/runs/a/",
+        endpoint_url="http://127.0.0.1:4566/",
+        region="us-east-1",
+        max_attempts=5,
+        connect_timeout=2.5,
+    )
+    assert store.url == (
+        "s3://my-bucket/runs/a?connect_timeout=2.5&endpoint_url=http://127.0.0.1:4566&region=us-east-1"
+    )
+    assert store.prefix == "runs/a/"
+    assert store.bucket == "my-bucket"
+    store.close()
+    assert S3Store("my-bucket").url == "s3://my-bucket"
+
+
+def test_construction_sends_nothing() -> None:
+    # A closed port: any request would fail, and none is made until first use.
+    store = S3Store("my-bucket", endpoint_url="http://127.0.0.1:9", region="us-east-1")
+    assert store.endpoint_url == "http://127.0.0.1:9"
+    store.close()
+
+
+def test_unknown_profile_is_a_config_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
+    with pytest.raises(ConfigError, match="profile"):
+        open_store("s3://bucket?profile=nobody-has-this-profile")
