@@ -303,7 +303,6 @@ class Publisher:
     def _upload_keyframe(self, version: int, snap: Snapshot) -> KeyframeRef:
         prefix = keyframe_prefix(version, self.writer)
         layout = plan_checkpoint(snap.specs, self.keyframe_file_bytes)
-        refs: list[ObjectRef] = []
 
         def upload_one(file_name: str, content: bytes) -> ObjectRef:
             key = f"{prefix}/{file_name}"
@@ -312,8 +311,12 @@ class Publisher:
 
         # Files are built inside the workers so that at most `workers` of them are in memory.
         workers = max(1, min(4, self._board.max_workers))
+
+        def build_and_upload(file_name: str, shard: list[TensorSpec]) -> ObjectRef:
+            return upload_one(file_name, safetensors_bytes(shard, snap.bits))
+
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            futures = [pool.submit(lambda f=f, s=s: upload_one(f, safetensors_bytes(s, snap.bits))) for f, s in layout]
+            futures = [pool.submit(build_and_upload, file_name, shard) for file_name, shard in layout]
             refs = [f.result() for f in futures]
         if len(layout) > 1:
             refs.append(upload_one(INDEX_NAME, hf_index(layout)))

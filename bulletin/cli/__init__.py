@@ -78,13 +78,6 @@ for command in (
 ):
     cli.add_command(command)
 
-try:  # the sidecar needs aiohttp, a core dependency, but keep the CLI usable without it
-    from bulletin.sidecar.cli import serve as serve_command
-except ImportError:  # pragma: no cover - only when the sidecar package is absent
-    serve_command = None
-if serve_command is not None:
-    cli.add_command(serve_command)
-
 
 def main(argv: list[str] | None = None) -> int:
     """Console entry point; returns the exit status."""

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import sys
 import threading
-from dataclasses import asdict
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import asdict
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, TypeVar
@@ -49,19 +50,29 @@ def store_options(func: F) -> F:
 
 @contextmanager
 def _byte_progress(label: str) -> Iterator[Callable[[int], None] | None]:
-    """A byte counter on stderr when it is a terminal (never under --json)."""
+    """A running byte count on stderr when it is a terminal (never under --json)."""
     if not progress_enabled():
         yield None
         return
     lock = threading.Lock()
-    with click.progressbar(length=0, label=label, file=click.get_text_stream("stderr")) as bar:
+    state = {"total": 0, "shown": 0.0}
+    err = sys.stderr
 
-        def on_bytes(n: int) -> None:
-            with lock:
-                bar.length = (bar.length or 0) + n
-                bar.update(n)
+    def on_bytes(n: int) -> None:
+        with lock:
+            state["total"] += n
+            now = time.monotonic()
+            if now - state["shown"] >= 0.1:
+                state["shown"] = now
+                err.write(f"\r{label}: {human_bytes(state['total'])}   ")
+                err.flush()
 
+    try:
         yield on_bytes
+    finally:
+        if state["total"]:
+            err.write(f"\r{label}: {human_bytes(state['total'])}   \n")
+            err.flush()
 
 
 def _age(created: datetime) -> str:
@@ -144,21 +155,24 @@ def sync_command(
         t0 = time.perf_counter()
         reached = sub.sync(version)
         report = sub.stats.last_report
+        seconds = time.perf_counter() - t0
+        downloaded = report.bytes_downloaded if report else 0
+        path = local_dir / LocalDirTarget.CURRENT
         data = {
             "run": run,
             "from_version": before,
             "version": reached,
-            "path": str(local_dir / LocalDirTarget.CURRENT),
-            "seconds": time.perf_counter() - t0,
-            "bytes_downloaded": report.bytes_downloaded if report else 0,
+            "path": str(path),
+            "seconds": seconds,
+            "bytes_downloaded": downloaded,
             "keyframe": report.keyframe if report else None,
             "transitions": report.transitions if report else 0,
         }
         emit(
             data,
             lambda: click.echo(
-                f"{run}: {before or 'nothing'} -> {reached} in {data['seconds']:.2f}s "
-                f"({human_bytes(data['bytes_downloaded'])} downloaded) at {data['path']}"
+                f"{run}: {before or 'nothing'} -> {reached} in {seconds:.2f}s "
+                f"({human_bytes(downloaded)} downloaded) at {path}"
             ),
         )
         if not follow:

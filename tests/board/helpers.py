@@ -31,7 +31,7 @@ class ToyTrainer:
         for name, w in self.state.items():
             if name.endswith("norm.weight"):
                 continue
-            w += (lr * self.rng.standard_normal(w.shape)).astype(np.float32)
+            np.add(w, (lr * self.rng.standard_normal(w.shape)).astype(np.float32), out=w)
 
     def served(self) -> dict[str, NDArray[np.unsignedinteger]]:
         """The BF16 bits a node must hold for the current state."""

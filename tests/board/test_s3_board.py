@@ -93,9 +93,7 @@ def test_a_shard_corrupted_in_the_bucket_is_never_applied(s3_url: str, s3_endpoi
     assert node.target.full_fingerprints() == before
 
 
-def test_bad_urls_missing_buckets_and_wrong_credentials(
-    s3_endpoint: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_bad_urls_missing_buckets_and_wrong_credentials(s3_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ConfigError):
         Subscriber("s3://", "run").sync()
     missing = f"s3://no-such-bucket-bulletin?endpoint_url={s3_endpoint}&region=us-east-1"

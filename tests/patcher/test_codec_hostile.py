@@ -174,55 +174,80 @@ D = DOC["entries"][E]["deltas"]
 
 
 @pytest.mark.parametrize(
-    "edit",
+    ("edit", "why"),
     [
-        _set(["shards"], 0),
-        _set(["shards"], 1 << 40),
-        _set(["shard"], 1),
-        _set(["shard"], -1),
-        _set(["shard"], True),
-        _set(["shard"], "0"),
-        _set(["patch"], "ABC"),
-        _set(["patch"], 7),
-        _set(["tensors"], []),
-        _set(["entries"], {}),
-        _set(["tensors", W, "shape"], [64, 64, -1]),
-        _set(["tensors", W, "shape"], [1 << 62, 4]),
-        _set(["tensors", W, "shape"], [1] * 100),
-        _set(["tensors", W, "shape"], "64x64"),
-        _set(["tensors", W, "base"], "XYZ"),
-        _set(["tensors", W, "base"], 12),
-        _set(["tensors", W, "changed"], 299),
-        _set(["tensors", W, "changed"], 1 << 70),
-        _set(["tensors", "norm.weight", "target"], "0" * 16),
-        _set(["tensors", W, "dtype"], 5),
-        _set(["entries", E, "count"], 301),
-        _set(["entries", E, "count"], 10**9),
-        _set(["entries", E, "start"], 1),
-        _set(["entries", E, "stop"], 4097),
-        _set(["entries", E, "stop"], 4000),
-        _set(["entries", E, "tensor"], "nope"),
-        _set(["entries", E, "gaps"], [G[0] + 1, G[1], G[2]]),
-        _set(["entries", E, "gaps"], [G[0], G[1] - 1, G[2]]),
-        _set(["entries", E, "gaps"], [G[0], G[1], 0]),
-        _set(["entries", E, "gaps"], [G[0], G[1], 9]),
-        _set(["entries", E, "gaps"], [G[0], G[1], 3]),
-        _set(["entries", E, "gaps"], [G[0], 10**30, G[2]]),
-        _set(["entries", E, "deltas"], [D[0], D[1], D[2] + 1, D[3]]),
-        _set(["entries", E, "deltas"], [D[0], D[1], D[2], 3]),
-        _set(["entries", E, "deltas"], [D[0], D[1], 0, D[3]]),
-        _set(["entries", E, "deltas"], [D[0], D[1], D[2]]),
-        lambda d: d["entries"].reverse(),
-        lambda d: d["entries"].append(d["entries"][0]),
-        lambda d: d["entries"].pop(),
-        lambda d: d["tensors"].pop("layer.0.bias"),
-        lambda d: d["tensors"][W].pop("dtype"),
-        lambda d: d["entries"][E].pop("stop"),
-        lambda d: d.pop("patch"),
+        (_set(["shards"], 0), "shards must be"),
+        (_set(["shards"], 1 << 40), "shards must be"),
+        (_set(["shard"], 1), "shard must be"),
+        (_set(["shard"], -1), "shard must be"),
+        (_set(["shard"], True), "shard must be"),
+        (_set(["shard"], "0"), "shard must be"),
+        (_set(["patch"], "ABC"), "patch id"),
+        (_set(["patch"], 7), "patch id"),
+        (_set(["tensors"], []), "tensors must be"),
+        (_set(["entries"], {}), "entries must be"),
+        (_set(["tensors", W, "shape"], [64, 64, -1]), "shape must be"),
+        (_set(["tensors", W, "shape"], [1 << 62, 4]), "too many elements"),
+        (_set(["tensors", W, "shape"], [1] * 100), "at most 64"),
+        (_set(["tensors", W, "shape"], "64x64"), "shape must be"),
+        (_set(["tensors", W, "base"], "XYZ"), "base must be"),
+        (_set(["tensors", W, "base"], 12), "base must be"),
+        (_set(["tensors", W, "changed"], 299), "more changes than"),
+        (_set(["tensors", W, "changed"], 1 << 70), "changed must be"),
+        (_set(["tensors", "norm.weight", "target"], "0" * 16), "unchanged, yet"),
+        (_set(["tensors", W, "dtype"], 5), "dtype must be"),
+        (_set(["entries", E, "count"], 301), "more changes than"),
+        (_set(["entries", E, "count"], 10**9), "count must be"),
+        (_set(["entries", E, "start"], 1), "hole or overlap"),
+        (_set(["entries", E, "stop"], 4097), "stop must be"),
+        (_set(["entries", E, "stop"], 4000), "end at 4000"),
+        (_set(["entries", E, "tensor"], "nope"), "does not describe"),
+        (_set(["entries", E, "gaps"], [G[0] + 1, G[1], G[2]]), "tile"),
+        (_set(["entries", E, "gaps"], [G[0], G[1] - 1, G[2]]), "tile"),
+        (_set(["entries", E, "gaps"], [G[0], G[1], 0]), "gap width 0"),
+        (_set(["entries", E, "gaps"], [G[0], G[1], 9]), "gap width 9"),
+        (_set(["entries", E, "gaps"], [G[0], G[1], 3]), "gap width 3"),
+        (_set(["entries", E, "gaps"], [G[0], 10**30, G[2]]), "gaps must be"),
+        (_set(["entries", E, "deltas"], [D[0], D[1], D[2] + 1, D[3]]), "declares"),
+        (_set(["entries", E, "deltas"], [D[0], D[1], D[2], 3]), "bad escapes"),
+        (_set(["entries", E, "deltas"], [D[0], D[1], 0, D[3]]), "bad escapes"),
+        (_set(["entries", E, "deltas"], [D[0], D[1], D[2]]), "list of 4"),
+        (lambda d: d["entries"].pop(), "no entry"),
+        (lambda d: d["tensors"].pop("layer.0.bias"), "does not describe"),
+        (lambda d: d["tensors"][W].pop("dtype"), "lacks ['dtype']"),
+        (lambda d: d["entries"][E].pop("stop"), "lacks ['stop']"),
+        (lambda d: d.pop("patch"), "lacks ['patch']"),
     ],
 )
-def test_bad_fields(edit: Callable[[dict[str, Any]], None]) -> None:
-    rejected([reforge(edit)])
+def test_bad_fields(edit: Callable[[dict[str, Any]], None], why: str) -> None:
+    assert why in str(rejected([reforge(edit)]))
+
+
+def relaid(entries: list[dict[str, Any]]) -> bytes:
+    """A shard of DOC's tensors with these entries, streams copied and offsets redone."""
+    doc = copy.deepcopy(DOC)
+    entries = [copy.deepcopy(e) for e in entries]  # one copy per entry, even a repeated one
+    payload = b""
+    for e in entries:
+        g, d = e["gaps"], e["deltas"]
+        streams = PAYLOAD[g[0] : g[0] + g[1]], PAYLOAD[d[0] : d[0] + d[1]]
+        e["gaps"] = [len(payload), g[1], g[2]]
+        e["deltas"] = [len(payload) + g[1], d[1], d[2], d[3]]
+        payload += streams[0] + streams[1]
+    doc["entries"] = entries
+    return forge(doc, payload)
+
+
+def test_entry_order_duplicates_and_overlaps() -> None:
+    entries = copy.deepcopy(DOC["entries"])
+    decode([relaid(copy.deepcopy(entries))])  # the relayer itself is faithful
+    assert "out of order" in str(rejected([relaid(entries[::-1])]))
+    assert "out of order" in str(rejected([relaid([entries[0], *entries])]))
+    # layer.0.weight cut in two ranges that overlap: [0, 3000) and [2000, 4096).
+    w = entries[E]
+    first = {**w, "stop": 3000}
+    second = {**w, "start": 2000, "count": 0}
+    assert "overlap" in str(rejected([relaid([*entries[:E], first, second, *entries[E + 1 :]])]))
 
 
 def test_unknown_dtype_and_bad_names() -> None:
