@@ -32,6 +32,7 @@ from numpy.typing import NDArray
 
 from bulletin.chain import Board, StoredManifest, sha256_hex
 from bulletin.checkpoint import INDEX_NAME, Checkpoint, hf_index, plan_checkpoint, safetensors_bytes
+from bulletin.device_kept import DeviceKept
 from bulletin.errors import ConfigError, InvalidInput
 from bulletin.layout import keyframe_prefix, patch_shard_key
 from bulletin.snapshot import SERVED_FLOAT_DTYPES, Snapshot, snapshot
@@ -110,6 +111,9 @@ class Publisher:
         self._on_bytes = on_bytes
         self._kept: _Kept | None = None
         self._resumed = False
+        self._device = DeviceKept(dtype)
+        self._next_version = 1
+        self._prepared_specs: dict[str, TensorSpec] | None = None
         self._queue: queue.Queue[tuple[Snapshot, dict[str, str], Future[PublishResult]] | None] = queue.Queue(
             maxsize=queue_size
         )
@@ -133,7 +137,7 @@ class Publisher:
         """Publish synchronously; returns the new version number."""
         self._check_open()
         self.flush()
-        return self._publish(snapshot(state_dict, dtype=self.dtype), dict(metadata or {})).version
+        return self._publish(self._prepare(state_dict), dict(metadata or {})).version
 
     def publish_checkpoint(
         self, path: str | os.PathLike[str], *, metadata: Mapping[str, str] | None = None
@@ -144,6 +148,10 @@ class Publisher:
         with Checkpoint(path) as ckpt:
             specs = ckpt.specs
             bits = {name: np.array(ckpt.bits(name), copy=True) for name in specs}
+        if not self._resumed:
+            self._resume()
+        self._next_version += 1
+        self._prepared_specs = specs
         return self._publish(Snapshot(specs, bits, {}), dict(metadata or {}))
 
     def publish_async(
@@ -153,7 +161,7 @@ class Publisher:
         bounded queue is full. Errors surface from the future and from flush/close."""
         self._check_open()
         self._raise_background_error()
-        snap = snapshot(state_dict, dtype=self.dtype)
+        snap = self._prepare(state_dict)
         future: Future[PublishResult] = Future()
         if self._worker is None:
             self._worker = threading.Thread(target=self._drain, name=f"bulletin-publish-{self.run}", daemon=True)
@@ -215,12 +223,29 @@ class Publisher:
             finally:
                 self._queue.task_done()
 
+    def _prepare(self, state_dict: Mapping[str, Any]) -> Snapshot:
+        """The part of a publish that must happen before the caller may touch its tensors:
+        the host snapshot, or for GPU tensors the diff on the device."""
+        if not self._resumed:
+            self._resume()
+        full = (self._next_version - 1) % self.keyframe_every == 0
+        snap = snapshot(state_dict, dtype=self.dtype, device=self._device, full=full)
+        if snap.changes and snap.specs != self._prepared_specs:
+            # A layout change is published in full: fetch what only the device has, now,
+            # before the next diff moves the kept bits on.
+            host = {**snap.bits, **{name: self._device.host_bits(name) for name in snap.changes}}
+            snap = Snapshot(snap.specs, host, snap.aliases, {}, snap.old_bits)
+        self._prepared_specs = snap.specs
+        self._next_version += 1
+        return snap
+
     def _resume(self) -> None:
         """Continue the run from its newest committed version (after a restart)."""
         self._resumed = True
         tip = self._board.tip()
         if tip is None:
             return
+        self._next_version = tip.version + 1
         self._board.advance_head(tip)  # a crash may have left the head behind a commit
         held = ArrayTarget()
         execute(self._board, plan(self._board, tip, None), held, None)
@@ -240,6 +265,8 @@ class Publisher:
         else:
             fps = {name: fingerprint(bits) for name, bits in snap.bits.items()}
         is_keyframe = not same_layout or (version - 1) % self.keyframe_every == 0
+        if is_keyframe and snap.changes:  # cannot happen: _prepare sends keyframes in full
+            raise InvalidInput("internal: a keyframe version was diffed on the device")
         patch_ref = self._upload_patch(version, patch) if patch is not None else None
         keyframe_ref = self._upload_keyframe(version, snap) if is_keyframe else None
         manifest = ManifestV1(
@@ -264,6 +291,7 @@ class Publisher:
             metadata=metadata,
         )
         stored = self._board.commit(manifest)  # raises VersionConflict for a stale trainer
+        # Host bits of tensors diffed on the device go stale; the device keeps them.
         self._kept = _Kept(dict(snap.specs), snap.bits, fps, stored)
         result = PublishResult(
             version=version,
@@ -280,9 +308,15 @@ class Publisher:
     def _diff(self, kept: _Kept, snap: Snapshot) -> Patch:
         deltas = {}
         for name, spec in snap.specs.items():
-            old, new = kept.bits[name], snap.bits[name]
-            indices, delta = diff_bits(old, new)
             base = kept.fingerprints[name]
+            change = snap.changes.get(name)
+            if change is not None:
+                target = (base + change.fingerprint_delta) & (2**64 - 1)
+                deltas[name] = TensorDelta(spec, change.indices, change.delta, base, target)
+                continue
+            old = snap.old_bits[name] if name in snap.old_bits else kept.bits[name]
+            new = snap.bits[name]
+            indices, delta = diff_bits(old, new)
             flat_old, flat_new = old.reshape(-1), new.reshape(-1)
             target = (base + fingerprint_delta(indices, flat_old[indices], flat_new[indices])) & (2**64 - 1)
             deltas[name] = TensorDelta(spec, indices, delta, base, target)

@@ -11,12 +11,13 @@ does; :func:`aliases` reports the dropped names so engines can map them back.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 import numpy as np
 from numpy.typing import NDArray
 
+from bulletin.device_kept import DeviceChange, DeviceKept, on_gpu
 from bulletin.errors import InvalidInput, UnsupportedDtype
 from patcher.cast import cast_bits
 from patcher.names import check_tensor_name
@@ -63,11 +64,18 @@ _FLOATS: Final = {"F16", "BF16", "F32", "F64"}
 
 @dataclass(frozen=True, slots=True)
 class Snapshot:
-    """Specs and private bits arrays (NumPy, host) of one version, plus dropped aliases."""
+    """One version as the publisher needs it.
+
+    Every tensor has a spec and either private host bits (``bits``) or, for GPU tensors
+    diffed on their device, the change found there (``changes``). ``old_bits`` holds the
+    previous bits of a tensor that left the GPU, which the host no longer had.
+    """
 
     specs: dict[str, TensorSpec]
     bits: dict[str, NDArray[np.unsignedinteger]]
     aliases: dict[str, str]  # dropped name -> served name
+    changes: dict[str, DeviceChange] = field(default_factory=dict)
+    old_bits: dict[str, NDArray[np.unsignedinteger]] = field(default_factory=dict)
 
 
 def _torch_bits(value: Any, served: str) -> tuple[str, NDArray[np.unsignedinteger]]:
@@ -114,8 +122,16 @@ def _storage_key(value: Any) -> tuple[Any, ...] | None:
     return None
 
 
-def snapshot(state_dict: Mapping[str, Any], *, dtype: str = "BF16") -> Snapshot:
-    """Cast and copy a state dict (torch tensors on any device, NumPy or CuPy arrays)."""
+def snapshot(
+    state_dict: Mapping[str, Any], *, dtype: str = "BF16", device: DeviceKept | None = None, full: bool = True
+) -> Snapshot:
+    """Cast and copy a state dict (torch tensors on any device, NumPy or CuPy arrays).
+
+    With ``device``, GPU tensors take the GPU path: unless ``full`` (a keyframe is due),
+    a tensor whose bits are kept on its device is diffed there and only the change comes
+    back; otherwise its served bits are copied to the host and kept on the device from
+    now on.
+    """
     if dtype not in SERVED_FLOAT_DTYPES:
         raise UnsupportedDtype(f"served dtype must be one of {', '.join(SERVED_FLOAT_DTYPES)}, not {dtype!r}")
     if not isinstance(state_dict, Mapping) or not state_dict:
@@ -123,6 +139,8 @@ def snapshot(state_dict: Mapping[str, Any], *, dtype: str = "BF16") -> Snapshot:
     specs: dict[str, TensorSpec] = {}
     bits: dict[str, NDArray[np.unsignedinteger]] = {}
     aliases: dict[str, str] = {}
+    changes: dict[str, DeviceChange] = {}
+    old_bits: dict[str, NDArray[np.unsignedinteger]] = {}
     seen: dict[tuple[Any, ...], str] = {}
     for name in sorted(state_dict):
         check_tensor_name(name)
@@ -132,6 +150,21 @@ def snapshot(state_dict: Mapping[str, Any], *, dtype: str = "BF16") -> Snapshot:
             aliases[name] = seen[key]
             continue
         module = type(value).__module__
+        if device is not None and on_gpu(value):
+            specs[name] = device.spec(name, value)[0]
+            change = None if full else device.diff(name, value)
+            if change is not None:
+                changes[name] = change
+            else:
+                if name in device:  # the device holds the previous bits, the host does not
+                    old_bits[name] = device.host_bits(name)
+                bits[name] = device.keep(name, value)
+            if key is not None:
+                seen[key] = name
+            continue
+        if device is not None and name in device:  # left the GPU: the host lacks its old bits
+            old_bits[name] = device.host_bits(name)
+            device.drop(name)
         if module.startswith("torch"):
             served_name, array = _torch_bits(value, dtype)
         elif module.startswith("cupy"):
@@ -144,4 +177,4 @@ def snapshot(state_dict: Mapping[str, Any], *, dtype: str = "BF16") -> Snapshot:
             seen[key] = name
         specs[name] = TensorSpec(name, served_name, tuple(int(d) for d in array.shape))
         bits[name] = array
-    return Snapshot(specs, bits, aliases)
+    return Snapshot(specs, bits, aliases, changes, old_bits)

@@ -1,6 +1,7 @@
 // Trainer side: fused cast + compare + compact (kernels.cuda.diff_cast).
 //
-// Two passes over tiles of kTileElements elements, one block per tile:
+// Two passes over tiles of 8192 element positions (kTileGroups groups of eight; the
+// Python side's TILE_ELEMENTS), one block per tile:
 //
 //   pass 1 (diff_mark_*) streams `cur` and `kept` once with 8-element vector loads,
 //     casts, compares, and writes a change bitmask (1 bit per element) and the number
@@ -25,9 +26,11 @@ constexpr int kItems = 4;                        // groups of eight per thread i
 constexpr int kTileGroups = kBlock * kItems;     // 1024 groups = 1 KiB of mask per tile
 constexpr int kTileWords = kTileGroups / 4;      // 256 words: one per thread in pass 2
 static_assert(kTileWords == kBlock, "pass 2 maps one mask word to one thread");
+static_assert(kTileGroups * 8 == 8192, "kernels/cuda.py sizes grids and masks with TILE_ELEMENTS");
 
-// How many groups a thread keeps in flight: about 192 bytes of loads per thread is enough
-// to cover DRAM latency without spilling registers for the 8-byte types.
+// How many groups a thread loads before comparing any: up to 192 bytes in flight per
+// thread covers DRAM latency at the occupancy these kernels get (about 40 registers),
+// without spilling for the 8-byte types. The first knob to turn when tuning on a GPU.
 template <typename S, typename D>
 struct Batch {
   static constexpr int value =

@@ -68,16 +68,16 @@ def diff_cast(current: BitsArray, kept: BitsArray, *, current_dtype: str, served
     check_disjoint((cur.ctypes.data, cur.nbytes), (old.ctypes.data, old.nbytes), "current and kept")
     cur_flat, kept_flat = cur.reshape(-1), old.reshape(-1)
     served = bits_dtype(served_dtype)
-    buffer = np.empty(min(cur_flat.size, CHUNK_ELEMENTS), dtype=served)
+    # The cast of one chunk at a time, into one reused buffer; an identity diff reads
+    # `current` directly.
+    buffer = None if kind == "identity" else np.empty(min(cur_flat.size, CHUNK_ELEMENTS), dtype=served)
     index_parts: list[NDArray[np.int64]] = []
     delta_parts: list[NDArray[np.unsignedinteger]] = []
     fp = 0
     for start in range(0, cur_flat.size, CHUNK_ELEMENTS):
         src = cur_flat[start : start + CHUNK_ELEMENTS]
         dst = kept_flat[start : start + CHUNK_ELEMENTS]
-        new = src
-        if kind != "identity":
-            new = cast_bits(src, current_dtype, served_dtype, out=buffer[: src.size])
+        new = src if buffer is None else cast_bits(src, current_dtype, served_dtype, out=buffer[: src.size])
         idx, delta = diff_bits(dst, new)
         if idx.size == 0:
             continue

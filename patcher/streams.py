@@ -52,7 +52,8 @@ def _from_planes(raw: memoryview | bytes, count: int, width: int) -> NDArray[np.
     """Values from ``width`` byte planes, in the smallest unsigned dtype that holds them."""
     planes = np.frombuffer(raw, dtype=np.uint8, count=count * width).reshape(width, count)
     if width == 1:
-        return planes[0]
+        low: NDArray[np.unsignedinteger] = planes[0]
+        return low
     size = 2 if width == 2 else 4 if width <= 4 else 8
     buf = np.empty((count, size), dtype=np.uint8) if size == width else np.zeros((count, size), dtype=np.uint8)
     buf[:, :width] = planes.T

@@ -135,8 +135,8 @@ class Device:
 
     def random_bits(self, n: int, dtype: Any, seed: int, *, finite_f32: bool = False) -> Any:
         """``n`` pseudo-random elements; ``finite_f32`` gives plausible FP32 weights
-        (|w| in [2**-16, 2), both signs) instead of arbitrary bit patterns."""
-        mask, set_bits = (0x80FFFFFF, 0x38000000) if finite_f32 else ((1 << 64) - 1, 0)
+        (|w| in [2**-7, 2), both signs) instead of arbitrary bit patterns."""
+        mask, set_bits = (0x83FFFFFF, 0x3C000000) if finite_f32 else ((1 << 64) - 1, 0)
         if self.dry_run:
             rng = np.random.default_rng(seed)
             raw = rng.integers(0, 1 << 63, n, dtype=np.uint64)
@@ -359,13 +359,14 @@ def bench_publish_and_apply(device: Device, dims: dict[str, int], reps: int) -> 
             decoded = decode([buf.data for buf in pinned_shards])
         n_idx = sum(td.indices.nbytes for td in decoded)
         n_delta = sum(td.delta.nbytes for td in decoded)
-        staging = device.pinned(n_idx + n_delta)
+        staging = device.pinned(n_idx + n_delta + 128 * len(decoded))
         with stage(stages, "stage_pinned", device):
             views = {}
             offset = 0
             for td in decoded:
                 parts = []
                 for array in (td.indices, td.delta):
+                    offset = -(-offset // 64) * 64  # keep every array cache-line aligned
                     view = staging[offset : offset + array.nbytes].view(array.dtype)
                     view[...] = array
                     parts.append(view)

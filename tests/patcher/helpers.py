@@ -45,7 +45,7 @@ def random_bits(rng: np.random.Generator, dtype: str, shape: tuple[int, ...]) ->
     bd = bits_dtype(dtype)
     out = rng.integers(0, np.iinfo(bd).max, size=shape, dtype=bd, endpoint=True)
     flat = out.reshape(-1)
-    specials = SPECIAL_BITS.get(dtype, []) + [0, int(np.iinfo(bd).max), 1 << (8 * bd.itemsize - 1)]
+    specials = [*SPECIAL_BITS.get(dtype, []), 0, int(np.iinfo(bd).max), 1 << 8 * bd.itemsize - 1]
     if flat.size:
         where = rng.integers(0, flat.size, size=min(flat.size, len(specials)))
         flat[where] = np.array(specials[: where.size], dtype=bd)
@@ -121,7 +121,9 @@ def assert_patches_equal(a: Patch, b: Patch) -> None:
         np.testing.assert_array_equal(x.delta, y.delta, err_msg=name)
 
 
-def sparse_delta(spec: TensorSpec, indices: list[int], deltas: list[int], base: int = 0, target: int = 1) -> TensorDelta:
+def sparse_delta(
+    spec: TensorSpec, indices: list[int], deltas: list[int], base: int = 0, target: int = 1
+) -> TensorDelta:
     """A TensorDelta built directly (no arrays of the tensor's size are allocated)."""
     return TensorDelta(
         spec,
@@ -161,4 +163,8 @@ def forge(
 def split_shard(data: bytes) -> tuple[bytes, bytes, bytes]:
     """(fixed header, stored header, payload) of a shard, for rewriting."""
     h_len = struct.unpack_from("<I", data, 16)[0]
-    return data[:FIXED_HEADER_SIZE], data[FIXED_HEADER_SIZE : FIXED_HEADER_SIZE + h_len], data[FIXED_HEADER_SIZE + h_len :]
+    return (
+        data[:FIXED_HEADER_SIZE],
+        data[FIXED_HEADER_SIZE : FIXED_HEADER_SIZE + h_len],
+        data[FIXED_HEADER_SIZE + h_len :],
+    )

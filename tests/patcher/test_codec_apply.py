@@ -119,7 +119,7 @@ def test_apply_tensor_any_shape_and_dtype_of_the_width() -> None:
     new[0, 0] = -0.0
     td = diff({"x": spec}, {"x": old}, {"x": new}).tensors["x"]
     held = old.copy()
-    assert apply_tensor(held, td) == fingerprint(new.view(np.uint32))
+    assert apply_tensor(held.view(np.uint32), td) == fingerprint(new.view(np.uint32))
     assert held.tobytes() == new.tobytes()
     flat = old.copy().reshape(-1).view(np.uint32)  # same element count, other shape
     assert apply_tensor(flat, td) == td.target_fingerprint

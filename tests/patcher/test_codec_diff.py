@@ -17,7 +17,7 @@ from patcher.fingerprint_update import fingerprint_change
 from patcher.patch import TensorSpec
 from tests.patcher.helpers import mutate, random_bits
 
-BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+BITS: dict[int, type[np.unsignedinteger]] = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 DTYPE_OF = {1: "U8", 2: "BF16", 4: "F32", 8: "I64"}
 
 
@@ -81,7 +81,7 @@ def test_diff_bits_refuses_bad_arrays() -> None:
     with pytest.raises(IncompatibleTensors):
         diff_bits(a, np.zeros(10, np.uint32))
     with pytest.raises(InvalidInput):
-        diff_bits(np.zeros(10, np.int16), np.zeros(10, np.int16))  # type: ignore[arg-type]
+        diff_bits(np.zeros(10, np.int16), np.zeros(10, np.int16))
     with pytest.raises(InvalidInput):
         diff_bits(np.zeros(20, np.uint16)[::2], a)
     with pytest.raises(InvalidInput):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
+from typing import Any
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -17,7 +20,9 @@ from patcher.patch import Patch, TensorDelta, TensorSpec
 from tests.patcher.helpers import DTYPES, assert_patches_equal, fingerprints, mutate, random_bits
 
 
-def _chain(seed: int, k: int, dtype: str, shape: tuple[int, ...], density: float) -> tuple[list[Patch], list[dict]]:
+def _chain(
+    seed: int, k: int, dtype: str, shape: tuple[int, ...], density: float
+) -> tuple[list[Patch], list[dict[str, Any]]]:
     rng = np.random.default_rng(seed)
     spec = TensorSpec("w", dtype, shape)
     unchanged = TensorSpec("norm", "F32", (5,))
@@ -26,7 +31,7 @@ def _chain(seed: int, k: int, dtype: str, shape: tuple[int, ...], density: float
         prev = versions[-1]
         versions.append({"w": mutate(rng, prev["w"], density, dtype), "norm": prev["norm"]})
     specs = {"w": spec, "norm": unchanged}
-    patches = [diff(specs, a, b) for a, b in zip(versions, versions[1:], strict=False)]
+    patches = [diff(specs, a, b) for a, b in itertools.pairwise(versions)]
     return patches, versions
 
 

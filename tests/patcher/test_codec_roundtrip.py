@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import numpy as np
@@ -80,7 +81,7 @@ def test_one_tensor_split_over_many_shards() -> None:
     assert all(e.tensor == "w" for e in entries)
     # The entries tile [0, numel) in order and hold every change once.
     assert entries[0].start == 0 and entries[-1].stop == 20000
-    assert all(a.stop == b.start for a, b in zip(entries, entries[1:], strict=False))
+    assert all(a.stop == b.start for a, b in itertools.pairwise(entries))
     assert sum(e.count for e in entries) == patch.changed_elements == 3000
     # Each shard decodes on its own to its part of the tensor.
     parts = [d for s in shards for d in decode_shard(s).entries]
@@ -94,7 +95,7 @@ def test_unchanged_empty_and_scalar_tensors(codec: str) -> None:
         "scalar": TensorSpec("scalar", "F64", ()),
         "same": TensorSpec("same", "BF16", (7, 3)),
     }
-    old = {
+    old: dict[str, Any] = {
         "empty": np.zeros((0, 5), np.uint32),
         "scalar": np.array(0x7FF8000000000001, dtype=np.uint64),
         "same": np.arange(21, dtype=np.uint16).reshape(7, 3),
@@ -118,7 +119,9 @@ def test_empty_patch_is_one_shard() -> None:
 
 @settings(max_examples=10, deadline=None)
 @given(case=model_cases(max_tensors=3), level=st.integers(1, 19))
-def test_encode_is_deterministic(case: tuple[dict[str, TensorSpec], dict[str, Any], dict[str, Any]], level: int) -> None:
+def test_encode_is_deterministic(
+    case: tuple[dict[str, TensorSpec], dict[str, Any], dict[str, Any]], level: int
+) -> None:
     specs, old, new = case
     patch = diff(specs, old, new)
     assert encode(patch, level=level) == encode(patch, level=level)

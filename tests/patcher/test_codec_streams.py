@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -92,8 +94,9 @@ def test_encode_refuses_what_decode_would_refuse() -> None:
     with pytest.raises(InvalidInput):
         encode(Patch({"x": sparse_delta(TensorSpec("x", "U8", (1 << 62, 4)), [1], [1])}))
     ok = Patch({"x": sparse_delta(spec, [3], [1])})
+    bad: dict[str, Any]
     for bad in ({"codec": "gzip"}, {"level": 0}, {"level": 20}, {"codec": "lz4", "level": 13}, {"max_shard_bytes": 40}):
         with pytest.raises(InvalidInput):
-            encode(ok, **bad)  # type: ignore[arg-type]
+            encode(ok, **bad)
     with pytest.raises(InvalidInput):
         encode(ok, max_shard_bytes=300)  # cannot hold one element with its description

@@ -1,0 +1,105 @@
+"""The trainer's GPU path: published bits kept on the GPU, diffed there in one pass.
+
+For a CUDA torch tensor (or a CuPy array) the publisher keeps the last published
+served bits on the same device (two bytes per BF16 parameter) and calls the fused
+``diff_cast`` kernel: cast to the served dtype as torch rounds, compare, compact the
+changed indices and their deltas, update the kept bits. Only the O(changed) result
+crosses to the host; the full tensor does so only for keyframes.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from kernels.dispatch import as_bits, backend_for, dtype_name
+from patcher.patch import TensorSpec
+
+__all__ = ["DeviceChange", "DeviceKept", "on_gpu"]
+
+_FLOATS = {"F16", "BF16", "F32", "F64"}
+
+
+def on_gpu(value: object) -> bool:
+    """True for CUDA torch tensors and CuPy arrays, when CuPy can be imported."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
+        if value.device.type != "cuda":
+            return False
+    elif not type(value).__module__.startswith("cupy"):
+        return False
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceChange:
+    """What the GPU diff found for one tensor, copied to the host."""
+
+    indices: NDArray[np.int64]
+    delta: NDArray[np.unsignedinteger]
+    fingerprint_delta: int
+
+
+class DeviceKept:
+    """Served bits of GPU tensors, kept where the tensors live."""
+
+    def __init__(self, served_dtype: str) -> None:
+        self.served_dtype = served_dtype
+        self._kept: dict[str, tuple[TensorSpec, Any]] = {}
+
+    def spec(self, name: str, value: Any) -> tuple[TensorSpec, str]:
+        """The served spec of ``value`` and the dtype its bits are read as."""
+        source = dtype_name(value)
+        served = self.served_dtype if source in _FLOATS else source
+        return TensorSpec(name, served, tuple(int(d) for d in value.shape)), source
+
+    def _current(self, value: Any) -> Any:
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(value, torch.Tensor):
+            value = value.detach().contiguous()
+        return as_bits(value)
+
+    def diff(self, name: str, value: Any) -> DeviceChange | None:
+        """Diff against the kept bits and update them; None when nothing is kept for it."""
+        spec, source = self.spec(name, value)
+        kept = self._kept.get(name)
+        if kept is None or kept[0] != spec:
+            return None
+        current = self._current(value)
+        backend = backend_for(current)
+        result = backend.diff_cast(current, kept[1], current_dtype=source, served_dtype=spec.dtype)
+        cupy = sys.modules["cupy"]
+        return DeviceChange(
+            indices=cupy.asnumpy(result.indices).astype(np.int64, copy=False),
+            delta=cupy.asnumpy(result.delta),
+            fingerprint_delta=result.fingerprint_delta,
+        )
+
+    def keep(self, name: str, value: Any) -> NDArray[np.unsignedinteger]:
+        """(Re)start keeping ``value``'s served bits on its device; returns a host copy."""
+        spec, source = self.spec(name, value)
+        current = self._current(value)
+        served = backend_for(current).cast(current, source, spec.dtype)
+        self._kept[name] = (spec, served)
+        host: NDArray[np.unsignedinteger] = sys.modules["cupy"].asnumpy(served)
+        return host.reshape(spec.shape)
+
+    def host_bits(self, name: str) -> NDArray[np.unsignedinteger]:
+        """A host copy of what is kept for ``name`` (the bits last diffed)."""
+        spec, bits = self._kept[name]
+        host: NDArray[np.unsignedinteger] = sys.modules["cupy"].asnumpy(bits)
+        return host.reshape(spec.shape)
+
+    def drop(self, name: str) -> None:
+        self._kept.pop(name, None)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._kept

@@ -1,0 +1,56 @@
+"""The trainer's GPU path gives the same versions as the CPU path (needs a CUDA GPU)."""
+
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+import pytest
+
+from bulletin import Publisher, Subscriber
+from bulletin.chain import Board
+from bulletin.storage import open_store
+from bulletin.target import ArrayTarget
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("cupy")
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+def test_cuda_tensors_publish_the_same_bytes_as_cpu_tensors() -> None:
+    torch.manual_seed(0)
+    masters = {
+        "w": torch.randn(1024, 513) * 0.02,
+        "b": torch.randn(513) * 0.02,
+        "e": (torch.randn(300, 64) * 0.02).to(torch.bfloat16),
+        "n": torch.arange(7),
+    }
+    cpu_url, gpu_url = f"memory://{uuid.uuid4().hex}", f"memory://{uuid.uuid4().hex}"
+    cpu = Publisher(cpu_url, "run", keyframe_every=3)
+    gpu = Publisher(gpu_url, "run", keyframe_every=3)
+    for step in range(7):
+        if step:
+            for name, t in masters.items():
+                if t.is_floating_point():
+                    t += (1e-4 * torch.randn(t.shape)).to(t.dtype)
+        cpu.publish(masters)
+        gpu.publish({n: t.cuda() for n, t in masters.items()})
+    cpu.close()
+    gpu.close()
+    a, b = Board(open_store(cpu_url), "run"), Board(open_store(gpu_url), "run")
+    for version in range(1, 8):
+        ma, mb = a.read_manifest(version).manifest, b.read_manifest(version).manifest
+        assert ma.tensors == mb.tensors
+        assert (ma.patch is None) == (mb.patch is None)
+        if ma.patch and mb.patch:
+            assert [s.sha256 for s in ma.patch.shards] == [s.sha256 for s in mb.patch.shards]
+    target = ArrayTarget()
+    Subscriber(gpu_url, "run", target=target).sync()
+    for name, t in masters.items():
+        want = t.to(torch.bfloat16) if t.is_floating_point() else t
+        width = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}[want.element_size()]
+        assert np.array_equal(target.arrays[name], want.contiguous().view(width).numpy()), name
