@@ -1,7 +1,7 @@
 """``bulletin demo``: a realistic run on a local directory bucket, end to end.
 
-A Llama-shaped model (FP32 master weights, BF16 served) takes AdamW-like steps: each
-update is about the learning rate per element, as Adam's normalised step is, which
+A Llama-shaped model (FP32 master weights, BF16 served) takes AdamW steps on
+synthetic gradients: each update is at most about the learning rate per element, which
 is smaller than BF16's rounding step for most weights, so most served bits stay the
 same. Every step is published in the background; a replica then syncs, once from
 nothing (keyframe + patches) and once from an intermediate version (folded patches),
@@ -71,14 +71,32 @@ class DemoReport:
     catch_up_from: int = 0
 
 
-def _adam_like_step(masters: dict[str, NDArray[np.float32]], rng: np.random.Generator, lr: float) -> None:
-    for name, weights in masters.items():
-        if name.endswith("norm.weight"):
-            continue  # norm weights almost never move in BF16 (DESIGN: measured facts)
-        # Adam's update is about lr * sign(gradient), slightly spread by its moments.
-        step = rng.standard_normal(weights.shape, dtype=np.float32)
-        np.clip(step, -3, 3, out=step)
-        np.subtract(weights, lr * step, out=weights)
+class _AdamW:
+    """AdamW on FP32 masters with synthetic gradients: a fixed per-element signal plus
+    fresh noise each step, so the moments behave as in real training (the first step
+    moves every weight by about lr, later ones by a fraction of it)."""
+
+    def __init__(self, masters: dict[str, NDArray[np.float32]], rng: np.random.Generator, lr: float) -> None:
+        self.masters, self.rng, self.lr = masters, rng, lr
+        self.signal = {n: (0.3 * rng.standard_normal(w.shape)).astype(np.float32) for n, w in masters.items()}
+        self.m = {n: np.zeros_like(w) for n, w in masters.items()}
+        self.v = {n: np.zeros_like(w) for n, w in masters.items()}
+        self.t = 0
+
+    def step(self, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.01) -> None:
+        self.t += 1
+        c1, c2 = 1 - beta1**self.t, 1 - beta2**self.t
+        for name, w in self.masters.items():
+            if name.endswith("norm.weight"):
+                continue  # norms get tiny gradients: they almost never move in BF16
+            g = self.signal[name] + self.rng.standard_normal(w.shape, dtype=np.float32)
+            m, v = self.m[name], self.v[name]
+            m *= beta1
+            m += (1 - beta1) * g
+            v *= beta2
+            v += (1 - beta2) * g * g
+            np.multiply(w, 1 - self.lr * weight_decay, out=w)
+            np.subtract(w, (self.lr / c1) * m / (np.sqrt(v / c2) + eps), out=w)
 
 
 def run_demo(
@@ -106,16 +124,17 @@ def run_demo(
     say(f"model: {len(shapes)} tensors, {total / 1e6:.1f}M parameters, {mib:.1f} MiB in BF16")
     say(f"bucket: {store} (local directory), run {run}, keyframe every {keyframe_every}, lr {lr:g}")
     say(f"{'version':>7}  {'kind':<9} {'changed %':>9} {'bytes':>12} {'vs full':>9} {'B/changed':>9} {'publish s':>9}")
+    optimizer = _AdamW(masters, rng, lr)
     with Publisher(store, run, keyframe_every=keyframe_every) as pub:
         for i in range(versions):
             if i:
-                _adam_like_step(masters, rng, lr)
+                optimizer.step()
             t0 = time.perf_counter()
             result = pub.publish_async(masters).result()
             report.publish_seconds.append(time.perf_counter() - t0)
             report.versions.append(result)
             moved = result.patch_bytes if not result.keyframe or result.version > 1 else result.keyframe_bytes
-            kind = "keyframe" if result.keyframe else "patch"
+            kind = ("key+patch" if result.version > 1 else "keyframe") if result.keyframe else "patch"
             pct = 100 * result.changed_elements / result.total_elements
             per = (
                 result.patch_bytes / result.changed_elements if result.patch_bytes and result.changed_elements else 0.0

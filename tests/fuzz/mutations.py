@@ -1,0 +1,195 @@
+"""Structure-aware mutations of patch shards, shared by the in-suite and standalone fuzzers.
+
+Plain byte mutations die at the CRC checks, so most mutations here are made *behind*
+them: on the decompressed JSON header text, on the parsed header document, or on the
+payload, and the shard is then re-sealed with valid checksums. That way the fuzzer
+reaches the JSON parser, the field validation, the stream decoders and the
+cross-shard checks.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import struct
+import zlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import zstandard
+
+from bulletin.errors import CorruptData, InvalidTensorName, UnsupportedDtype
+from patcher.decode import decode, decode_shard, read_shard_header
+from patcher.format import FIXED_HEADER_SIZE, HEADER_CRC_OFFSET, DecodeLimits
+
+__all__ = ["REJECTIONS", "check_decoders", "mutate", "seal"]
+
+#: Every way a decoder may refuse input. Anything else escaping is a bug.
+REJECTIONS = (CorruptData, UnsupportedDtype, InvalidTensorName)
+
+_TIGHT = DecodeLimits(max_header_bytes=1 << 14, max_entries=64, max_decoded_bytes=1 << 22, max_expansion=1 << 10)
+_INTERESTING = [0, 1, 2, 3, 4, 7, 8, 15, 16, 255, 256, 65535, 1 << 31, (1 << 32) - 1, 1 << 32, (1 << 63) - 1, 1 << 64, -1]
+
+
+def seal(data: bytes) -> bytes:
+    """``data`` with both CRC fields recomputed (lengths taken as they stand)."""
+    if len(data) < FIXED_HEADER_SIZE:
+        return data
+    h_len = struct.unpack_from("<I", data, 16)[0]
+    header = data[FIXED_HEADER_SIZE : FIXED_HEADER_SIZE + h_len]
+    payload = data[FIXED_HEADER_SIZE + h_len :]
+    fixed = bytearray(data[:FIXED_HEADER_SIZE])
+    struct.pack_into("<I", fixed, 32, zlib.crc32(payload))
+    struct.pack_into("<I", fixed, 36, zlib.crc32(header, zlib.crc32(bytes(fixed[:HEADER_CRC_OFFSET]))))
+    return bytes(fixed) + data[FIXED_HEADER_SIZE:]
+
+
+def _parts(data: bytes) -> tuple[bytearray, bytes, bytes]:
+    h_len = struct.unpack_from("<I", data, 16)[0]
+    return bytearray(data[:FIXED_HEADER_SIZE]), data[FIXED_HEADER_SIZE : FIXED_HEADER_SIZE + h_len], data[FIXED_HEADER_SIZE + h_len :]
+
+
+def _json_text(data: bytes) -> bytes | None:
+    fixed, stored, _ = _parts(data)
+    j_len = struct.unpack_from("<I", fixed, 20)[0]
+    if len(stored) == j_len:
+        return stored
+    try:
+        return zstandard.ZstdDecompressor().decompress(stored, max_output_size=1 << 20)
+    except zstandard.ZstdError:
+        return None  # an LZ4 header: handled as bytes only
+
+
+def _with_header(data: bytes, text: bytes) -> bytes:
+    """``data`` with its header replaced by ``text`` stored verbatim, re-sealed."""
+    fixed, _, payload = _parts(data)
+    struct.pack_into("<II", fixed, 16, len(text), len(text))
+    struct.pack_into("<Q", fixed, 24, len(payload))
+    return seal(bytes(fixed) + text + payload)
+
+
+def _rand_int(rng: random.Random) -> Any:
+    choice = rng.random()
+    if choice < 0.6:
+        return rng.choice(_INTERESTING)
+    if choice < 0.8:
+        return rng.randrange(-(1 << 70), 1 << 70)
+    return rng.choice([None, True, "x", 1.5, [], {}, "0" * 16, [1, 2, 3]])
+
+
+def _mutate_doc(rng: random.Random, doc: Any) -> Any:
+    """Change, drop or add one value somewhere in a JSON document."""
+    path: list[Any] = []
+    node = doc
+    while isinstance(node, dict | list) and node and rng.random() < 0.8:
+        key = rng.choice(list(node)) if isinstance(node, dict) else rng.randrange(len(node))
+        path.append(key)
+        node = node[key]
+    if not path:
+        return _rand_int(rng) if rng.random() < 0.5 else doc
+    parent = doc
+    for key in path[:-1]:
+        parent = parent[key]
+    key = path[-1]
+    op = rng.random()
+    if op < 0.55:
+        parent[key] = _rand_int(rng)
+    elif op < 0.7 and isinstance(parent[key], int) and not isinstance(parent[key], bool):
+        parent[key] += rng.choice([-1, 1, -2, 2, 1 << 32])
+    elif op < 0.8:
+        if isinstance(parent, dict):
+            del parent[key]
+        else:
+            parent.pop(key)
+    elif op < 0.9 and isinstance(parent, list):
+        parent.insert(key, parent[key])
+    elif isinstance(parent, dict):
+        parent[rng.choice(["x", "count", "start", "tensor", "../x", ""])] = _rand_int(rng)
+    return doc
+
+
+def _bytes_op(rng: random.Random, buf: bytearray) -> None:
+    if not buf:
+        buf.extend(rng.randbytes(rng.randrange(1, 8)))
+        return
+    op = rng.random()
+    i = rng.randrange(len(buf))
+    if op < 0.35:
+        buf[i] ^= 1 << rng.randrange(8)
+    elif op < 0.55:
+        buf[i] = rng.choice([0, 1, 0x7F, 0x80, 0xFF, rng.randrange(256)])
+    elif op < 0.7:
+        del buf[i : i + rng.randrange(1, 16)]
+    elif op < 0.85:
+        buf[i:i] = rng.randbytes(rng.randrange(1, 16))
+    else:
+        j = rng.randrange(len(buf))
+        buf[i:i] = buf[j : j + rng.randrange(1, 32)]
+
+
+def mutate(rng: random.Random, seeds: Sequence[bytes]) -> list[bytes]:
+    """One mutated set of shards from a random seed shard (or a pair of them)."""
+    data = rng.choice(seeds)
+    kind = rng.random()
+    if kind < 0.15:  # raw bytes, checksums left broken
+        buf = bytearray(data)
+        for _ in range(rng.randrange(1, 4)):
+            _bytes_op(rng, buf)
+        return [bytes(buf)]
+    if kind < 0.3:  # raw bytes, re-sealed: reaches everything behind the CRCs
+        buf = bytearray(data)
+        for _ in range(rng.randrange(1, 4)):
+            _bytes_op(rng, buf)
+        return [seal(bytes(buf))]
+    if kind < 0.45:  # fixed header fields
+        buf = bytearray(data)
+        offset, fmt = rng.choice([(8, "<H"), (10, "<H"), (12, "<H"), (14, "<H"), (16, "<I"), (20, "<I"), (24, "<Q")])
+        value = rng.choice([v for v in _INTERESTING if 0 <= v < 1 << (8 * struct.calcsize(fmt))])
+        struct.pack_into(fmt, buf, offset, value)
+        return [seal(bytes(buf))]
+    text = _json_text(data)
+    if text is None or kind < 0.55:  # the payload
+        fixed, stored, payload = _parts(data)
+        buf = bytearray(payload)
+        for _ in range(rng.randrange(1, 4)):
+            _bytes_op(rng, buf)
+        struct.pack_into("<Q", fixed, 24, len(buf))
+        return [seal(bytes(fixed) + stored + bytes(buf))]
+    if kind < 0.7:  # the JSON text
+        buf = bytearray(text)
+        for _ in range(rng.randrange(1, 4)):
+            _bytes_op(rng, buf)
+        return [_with_header(data, bytes(buf))]
+    if kind < 0.9:  # the JSON document
+        doc = json.loads(text)
+        for _ in range(rng.randrange(1, 3)):
+            doc = _mutate_doc(rng, doc)
+        return [_with_header(data, json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode())]
+    # Sets of shards: duplicates, strangers, a shard missing.
+    other = rng.choice(seeds)
+    return rng.choice([[data, data], [data, other], [other, data]])
+
+
+def check_decoders(shards: list[bytes], on_bug: Callable[[str, BaseException], None]) -> None:
+    """Run every decoder on ``shards``; report anything but a typed rejection."""
+    runs: list[tuple[str, Callable[[], object]]] = [
+        ("decode", lambda: decode(shards)),
+        ("decode/tight", lambda: decode(shards, limits=_TIGHT)),
+    ]
+    for i, data in enumerate(shards):
+        runs.append((f"read_shard_header[{i}]", lambda d=data: read_shard_header(d)))
+        runs.append((f"decode_shard[{i}]", lambda d=data: decode_shard(d)))
+    for name, run in runs:
+        try:
+            result = run()
+        except REJECTIONS:
+            continue
+        except Exception as e:  # the fuzzer's whole point: nothing else may escape
+            on_bug(name, e)
+            continue
+        if name.startswith("decode") and hasattr(result, "tensors"):
+            for td in result.tensors.values():  # an accepted patch is a valid patch
+                try:
+                    td.validate()
+                except Exception as e:
+                    on_bug(f"{name}: accepted an invalid patch", e)

@@ -1,0 +1,223 @@
+"""The vLLM adapter: the worker extension patches fused parameters in place, driven
+through vLLM's ``/collective_rpc`` contract by the sidecar-side VLLMTarget."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from bulletin.engines.vllm import VLLMTarget, WorkerState
+from bulletin.errors import EngineError, IncompatibleTensors, WrongBase
+from bulletin.publisher import Publisher
+from bulletin.snapshot import snapshot
+from bulletin.subscriber import Subscriber
+from bulletin.target import LocalDirTarget
+from tests.sidecar.engine_servers import VllmServer, extended_worker
+
+CONFIG = LlamaConfig(
+    vocab_size=100,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    tie_word_embeddings=True,
+)
+PADDED_VOCAB = 128  # vLLM pads the vocabulary (to a multiple of 64)
+
+
+class VllmLlama(torch.nn.Module):
+    """A Llama laid out as vLLM lays it out: qkv and gate/up fused, vocabulary padded,
+    lm_head tied to the embedding. Zeros until something loads weights into it."""
+
+    packed_modules_mapping: ClassVar[dict[str, list[str]]] = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+    }
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        kv = cfg.num_key_value_heads * (h // cfg.num_attention_heads)
+
+        def p(*shape: int) -> torch.nn.Parameter:
+            return torch.nn.Parameter(torch.zeros(*shape, dtype=torch.bfloat16), requires_grad=False)
+
+        self.model = torch.nn.Module()
+        self.model.embed_tokens = torch.nn.Module()
+        self.model.embed_tokens.weight = p(PADDED_VOCAB, h)
+        self.model.layers = torch.nn.ModuleList()
+        for _ in range(cfg.num_hidden_layers):
+            layer = torch.nn.Module()
+            layer.self_attn = torch.nn.Module()
+            layer.self_attn.qkv_proj = torch.nn.Module()
+            layer.self_attn.qkv_proj.weight = p(h + 2 * kv, h)
+            layer.self_attn.o_proj = torch.nn.Module()
+            layer.self_attn.o_proj.weight = p(h, h)
+            layer.mlp = torch.nn.Module()
+            layer.mlp.gate_up_proj = torch.nn.Module()
+            layer.mlp.gate_up_proj.weight = p(2 * i, h)
+            layer.mlp.down_proj = torch.nn.Module()
+            layer.mlp.down_proj.weight = p(h, i)
+            layer.input_layernorm = torch.nn.Module()
+            layer.input_layernorm.weight = p(h)
+            layer.post_attention_layernorm = torch.nn.Module()
+            layer.post_attention_layernorm.weight = p(h)
+            self.model.layers.append(layer)
+        self.model.norm = torch.nn.Module()
+        self.model.norm.weight = p(h)
+        self.lm_head = torch.nn.Module()
+        self.lm_head.weight = self.model.embed_tokens.weight  # tied, as vLLM ties it
+
+
+def expected_fused(trainer: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What each vLLM parameter must hold: the trainer's BF16 tensors, fused and padded."""
+    sd = {k: v.detach().to(torch.bfloat16) for k, v in trainer.state_dict().items()}
+    out: dict[str, torch.Tensor] = {}
+    embed = torch.zeros(PADDED_VOCAB, CONFIG.hidden_size, dtype=torch.bfloat16)
+    embed[: CONFIG.vocab_size] = sd["model.embed_tokens.weight"]
+    out["model.embed_tokens.weight"] = embed
+    for n in range(CONFIG.num_hidden_layers):
+        pre = f"model.layers.{n}."
+        out[pre + "self_attn.qkv_proj.weight"] = torch.cat([sd[pre + f"self_attn.{x}_proj.weight"] for x in "qkv"])
+        out[pre + "mlp.gate_up_proj.weight"] = torch.cat(
+            [sd[pre + "mlp.gate_proj.weight"], sd[pre + "mlp.up_proj.weight"]]
+        )
+        for name in ("self_attn.o_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight"):
+            out[pre + name] = sd[pre + name]
+        out[pre + "post_attention_layernorm.weight"] = sd[pre + "post_attention_layernorm.weight"]
+    out["model.norm.weight"] = sd["model.norm.weight"]
+    return out
+
+
+def assert_holds(engine: VllmLlama, trainer: torch.nn.Module) -> None:
+    params = dict(engine.named_parameters())
+    for name, want in expected_fused(trainer).items():
+        got = params[name]
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), name
+
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    x = torch.randint(0, CONFIG.vocab_size, (2, 8))
+    model(input_ids=x, labels=x).loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+@pytest.fixture
+def trainer() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    return LlamaForCausalLM(CONFIG)
+
+
+@pytest.fixture
+def engines() -> Iterator[tuple[VllmServer, list[VllmLlama]]]:
+    models = [VllmLlama(CONFIG), VllmLlama(CONFIG)]  # two workers
+    server = VllmServer([extended_worker(m) for m in models])
+    try:
+        yield server, models
+    finally:
+        server.close()
+
+
+def test_worker_binds_and_loads_a_keyframe_into_fused_parameters(tmp_path: Path, trainer: LlamaForCausalLM) -> None:
+    from bulletin.checkpoint import write_checkpoint
+
+    snap = snapshot(trainer.state_dict(), dtype="BF16")
+    write_checkpoint(tmp_path / "kf", snap.specs, snap.bits)
+    engine = VllmLlama(CONFIG)
+    state = WorkerState(engine)
+    specs = [{"name": s.name, "dtype": s.dtype, "shape": list(s.shape)} for s in snap.specs.values()]
+    assert state.handle("load", json.dumps({"specs": specs, "path": str(tmp_path / "kf")})) == {"ok": True}
+    assert_holds(engine, trainer)
+    # The tie held: lm_head is the embedding, written once through its served name.
+    assert engine.lm_head.weight.data_ptr() == engine.model.embed_tokens.weight.data_ptr()
+
+
+def test_worker_errors_come_back_as_codes_not_exceptions(trainer: LlamaForCausalLM) -> None:
+    state = WorkerState(VllmLlama(CONFIG))
+    assert state.handle("apply", "not json")["code"] == "invalid_input"
+    assert state.handle("apply", "{}") == {
+        "ok": False,
+        "code": "invalid_input",
+        "message": "the worker has not been bound to a layout yet",
+    }
+    bad = [{"name": "model.layers.0.self_attn.q_proj.weight", "dtype": "BF16", "shape": [33, 32]}]
+    out = state.handle("bind", json.dumps({"specs": bad}))
+    assert out["ok"] is False and out["code"] == IncompatibleTensors.code
+    assert state.handle("nonsense", json.dumps({"specs": []}))["code"] == "invalid_input"
+
+
+def test_sidecar_target_follows_a_run_through_collective_rpc(
+    tmp_path: Path, trainer: LlamaForCausalLM, engines: tuple[VllmServer, list[VllmLlama]]
+) -> None:
+    server, models = engines
+    store = str(tmp_path / "store")
+    target = VLLMTarget(LocalDirTarget(tmp_path / "local", run="r"), server.url)
+    sub = Subscriber(store, "r", target=target)
+    opt = torch.optim.AdamW(trainer.parameters(), lr=1e-3)
+    with Publisher(store, "r", keyframe_every=10) as pub:
+        for step in range(3):
+            if step:
+                train_step(trainer, opt)
+            version = pub.publish(trainer.state_dict())
+            assert sub.sync() == version
+            for model in models:
+                assert_holds(model, trainer)
+    assert not any(target.spool_dir.iterdir())  # spooled patches are cleaned up
+    methods = [json.loads(json.dumps(c)) for c in server.calls]
+    assert ["POST", "/collective_rpc"] in methods
+    # A restarted sidecar recognises that the engine already holds the folder's version.
+    again = VLLMTarget(LocalDirTarget(tmp_path / "local", run="r"), server.url)
+    assert again.restored() is not None and again.restored()[0] == 3  # type: ignore[index]
+
+
+def test_a_tampered_worker_is_refused_and_nothing_moves(
+    tmp_path: Path, trainer: LlamaForCausalLM, engines: tuple[VllmServer, list[VllmLlama]]
+) -> None:
+    server, models = engines
+    store = str(tmp_path / "store")
+    local = LocalDirTarget(tmp_path / "local", run="r")
+    sub = Subscriber(store, "r", target=VLLMTarget(local, server.url))
+    opt = torch.optim.AdamW(trainer.parameters(), lr=1e-3)
+    with Publisher(store, "r", keyframe_every=10) as pub:
+        pub.publish(trainer.state_dict())
+        sub.sync()
+        with torch.no_grad():
+            models[1].model.norm.weight[0] += 1  # worker 1 no longer holds version 1
+        before = [m.model.layers[0].self_attn.qkv_proj.weight.clone() for m in models]
+        train_step(trainer, opt)
+        pub.publish(trainer.state_dict())
+        with pytest.raises(WrongBase):
+            sub.sync()
+    assert sub.current_version == 1
+    assert local.restored() is not None and local.restored()[0] == 1  # type: ignore[index]
+    for model, old in zip(models, before, strict=True):  # worker 0 applied, then took it back
+        assert torch.equal(model.model.layers[0].self_attn.qkv_proj.weight, old)
+
+
+def test_engine_without_dev_mode_is_a_clear_error(tmp_path: Path) -> None:
+    server = VllmServer([], dev_mode=False)
+    try:
+        target = VLLMTarget(LocalDirTarget(tmp_path / "local"), server.url)
+        with pytest.raises(EngineError, match="VLLM_SERVER_DEV_MODE"):
+            target.call("fingerprints", {})
+    finally:
+        server.close()
+    dead = VLLMTarget(LocalDirTarget(tmp_path / "local2"), server.url)
+    with pytest.raises(EngineError, match="unreachable"):
+        dead.call("fingerprints", {})
+
+
+def test_worker_extension_names_cannot_clash_with_vllm_workers() -> None:
+    from bulletin.engines.vllm import BulletinWorkerExtension
+
+    names: list[Any] = [n for n in dir(BulletinWorkerExtension) if not n.startswith("__")]
+    assert names and all(n.startswith("bulletin_") for n in names)
