@@ -24,7 +24,7 @@ __all__ = [
     "DEFAULT_LEVELS",
     "LEVEL_RANGES",
     "ZSTD_MAX_WINDOW",
-    "decompress",
+    "Decompressor",
     "make_compressor",
 ]
 
@@ -64,18 +64,31 @@ def make_compressor(codec: str, level: int | None) -> Callable[[bytes], bytes]:
     return compress
 
 
-def decompress(codec: str, data: memoryview, size: int, what: str) -> bytes | memoryview:
-    """Exactly ``size`` bytes from one stream, or ``FormatError`` / ``CorruptData``."""
-    if len(data) == size:
-        return data  # stored verbatim
-    if len(data) > size:
-        raise FormatError(f"{what}: a {len(data)}-byte stream for {size} bytes is neither stored nor compressed")
-    if codec == "zstd":
-        return _zstd(data, size, what)
-    return _lz4(data, size, what)
+class Decompressor:
+    """Decodes the streams of one shard to exactly their declared sizes.
+
+    Holds one decompression context for all the streams of a shard (creating one per
+    stream cost more than decoding a small stream). Not thread-safe.
+    """
+
+    def __init__(self, codec: str) -> None:
+        if codec not in CODECS:
+            raise InvalidInput(f"unknown codec {codec!r}; known: {', '.join(CODECS)}")
+        self.codec = codec
+        self._dctx = zstandard.ZstdDecompressor(max_window_size=ZSTD_MAX_WINDOW) if codec == "zstd" else None
+
+    def __call__(self, data: memoryview, size: int, what: str) -> bytes | memoryview:
+        """Exactly ``size`` bytes from one stream, or ``FormatError`` / ``CorruptData``."""
+        if len(data) == size:
+            return data  # stored verbatim
+        if len(data) > size:
+            raise FormatError(f"{what}: a {len(data)}-byte stream for {size} bytes is neither stored nor compressed")
+        if self._dctx is not None:
+            return _zstd(self._dctx, data, size, what)
+        return _lz4(data, size, what)
 
 
-def _zstd(data: memoryview, size: int, what: str) -> bytes:
+def _zstd(dctx: zstandard.ZstdDecompressor, data: memoryview, size: int, what: str) -> bytes:
     try:
         params = zstandard.get_frame_parameters(data)
     except zstandard.ZstdError as e:
@@ -86,9 +99,8 @@ def _zstd(data: memoryview, size: int, what: str) -> bytes:
         raise FormatError(f"{what}: zstd frame needs a dictionary")
     if params.window_size > ZSTD_MAX_WINDOW:
         raise FormatError(f"{what}: zstd window {params.window_size} over {ZSTD_MAX_WINDOW}")
-    dctx = zstandard.ZstdDecompressor(max_window_size=ZSTD_MAX_WINDOW)
     try:
-        out = dctx.decompress(data, max_output_size=size, allow_extra_data=False)
+        out: bytes = dctx.decompress(data, max_output_size=size, allow_extra_data=False)
     except zstandard.ZstdError as e:
         raise CorruptData(f"{what}: zstd stream does not decode ({e})") from None
     if len(out) != size:

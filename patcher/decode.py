@@ -27,7 +27,7 @@ from bulletin.errors import (
     InvalidInput,
     UnsupportedFormatVersion,
 )
-from patcher.compression import decompress
+from patcher.compression import Decompressor
 from patcher.fingerprint import parse_fingerprint
 from patcher.format import (
     CODEC_NAMES,
@@ -48,7 +48,6 @@ from patcher.format import (
     canonical_json,
     compute_patch_id,
 )
-from patcher.names import check_tensor_name
 from patcher.patch import Patch, TensorDelta, TensorSpec
 from patcher.streams import byte_width, unpack_deltas, unpack_gaps
 
@@ -93,15 +92,13 @@ def _no_floats(text: str) -> object:
 
 
 def _parse_json(raw: memoryview) -> object:
+    """The header document, which must be valid UTF-8 JSON in canonical form."""
     try:
         text = bytes(raw).decode("utf-8")
-        return json.loads(
-            text,
-            object_pairs_hook=_no_duplicates,
-            parse_float=_no_floats,
-            parse_constant=_no_floats,
-        )
-    except UnicodeDecodeError as e:
+        doc = json.loads(text, object_pairs_hook=_no_duplicates, parse_float=_no_floats, parse_constant=_no_floats)
+        # Re-serialising also refuses lone surrogates ("\ud800" escapes): not UTF-8.
+        canonical = canonical_json(doc) == raw
+    except UnicodeError as e:
         raise FormatError(f"header is not UTF-8: {e}") from None
     except RecursionError:
         raise FormatError("header JSON is nested too deeply") from None
@@ -109,6 +106,9 @@ def _parse_json(raw: memoryview) -> object:
         if isinstance(e, FormatError):
             raise
         raise FormatError(f"header is not valid JSON: {e}") from None
+    if not canonical:
+        raise FormatError("header JSON is not in canonical form")
+    return doc
 
 
 def _object(value: object, keys: frozenset[str], newer: bool, what: str) -> dict[str, object]:
@@ -145,7 +145,6 @@ def _fingerprint(value: object, what: str) -> int:
 
 
 def _tensor_info(name: str, value: object, newer: bool, limits: DecodeLimits) -> TensorInfo:
-    check_tensor_name(name)
     doc = _object(value, _TENSOR_KEYS, newer, f"tensor {name!r}")
     shape_doc = doc["shape"]
     if not isinstance(shape_doc, list) or len(shape_doc) > limits.max_ndim:
@@ -159,7 +158,7 @@ def _tensor_info(name: str, value: object, newer: bool, limits: DecodeLimits) ->
     dtype = doc["dtype"]
     if not isinstance(dtype, str):
         raise FormatError(f"{name}: dtype must be a string")
-    spec = TensorSpec(name, dtype, shape)  # raises UnsupportedDtype
+    spec = TensorSpec(name, dtype, shape)  # checks the name (InvalidTensorName) and dtype (UnsupportedDtype)
     base = _fingerprint(doc["base"], f"{name}: base")
     target = _fingerprint(doc["target"], f"{name}: target")
     changed = _int(doc["changed"], f"{name}: changed", 0, numel)
@@ -283,10 +282,8 @@ def read_shard_header(data: bytes | bytearray | memoryview, *, limits: DecodeLim
     stored = view[FIXED_HEADER_SIZE : FIXED_HEADER_SIZE + h_len]
     if zlib.crc32(stored, zlib.crc32(view[:HEADER_CRC_OFFSET])) != h_crc:
         raise CorruptData("header checksum mismatch")
-    raw = memoryview(decompress(CODEC_NAMES[codec_id], stored, j_len, "header"))
+    raw = memoryview(Decompressor(CODEC_NAMES[codec_id])(stored, j_len, "header"))
     doc = _parse_json(raw)
-    if canonical_json(doc) != raw:
-        raise FormatError("header JSON is not in canonical form")
     newer = minor > FORMAT_MINOR
     patch_id, index, count, tensors, entries = _header(doc, newer, p_len, limits)
     return ShardHeader(
@@ -303,6 +300,7 @@ def _decode_payload(view: memoryview, header: ShardHeader) -> tuple[DecodedEntry
     if zlib.crc32(payload) != header.payload_crc32:
         raise CorruptData(f"payload checksum mismatch in shard {header.shard_index}")
     out: list[DecodedEntry] = []
+    decompress = Decompressor(header.codec)
     for e in header.entries:
         spec = header.tensors[e.tensor].spec
         if e.count == 0:
@@ -310,9 +308,9 @@ def _decode_payload(view: memoryview, header: ShardHeader) -> tuple[DecodedEntry
             out.append(DecodedEntry(e, np.empty(0, dtype=np.int64), empty))
             continue
         what = f"{e.tensor}[{e.start}:{e.stop}]"
-        raw = decompress(header.codec, payload[e.gaps.offset : e.gaps.end], e.gaps_size, what)
+        raw = decompress(payload[e.gaps.offset : e.gaps.end], e.gaps_size, what)
         indices = unpack_gaps(raw, e.count, e.gap_width, e.start, e.stop, what)
-        raw = decompress(header.codec, payload[e.deltas.offset : e.deltas.end], e.deltas_size, what)
+        raw = decompress(payload[e.deltas.offset : e.deltas.end], e.deltas_size, what)
         delta = unpack_deltas(raw, e.count, e.escapes, e.escape_width, spec.bits_dtype, what)
         out.append(DecodedEntry(e, indices, delta))
     return tuple(out)

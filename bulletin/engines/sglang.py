@@ -93,8 +93,16 @@ class SGLangTarget:
     # -- the engine ------------------------------------------------------------------------
 
     def activate(self, version: int) -> None:
-        """Reload SGLang from the folder now holding ``version``, then commit the folder."""
-        self.reload(_staged_folder(self.local), version)
+        """Reload SGLang from the folder now holding ``version``, then commit the folder.
+
+        If SGLang refuses, the folder is put back to the version it had committed, which
+        is the one SGLang still serves.
+        """
+        try:
+            self.reload(_staged_folder(self.local), version)
+        except BaseException:
+            self.local.abort()
+            raise
         self.local.activate(version)
 
     def reload(self, folder: Path, version: int) -> None:

@@ -357,7 +357,11 @@ class VLLMTarget:
         return self._fingerprints(specs)
 
     def activate(self, version: int) -> None:
-        self.call("activate", {"version": version})
+        try:
+            self.call("activate", {"version": version})
+        except BaseException:
+            self.abort()  # workers and folder back on the version the engine reported
+            raise
         self.local.activate(version)
 
     def close(self) -> None:

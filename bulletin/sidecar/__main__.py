@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import sys
 
-from bulletin.cli import main
+from bulletin.cli import cli, main
+from bulletin.sidecar.cli import serve
 
 if __name__ == "__main__":
+    cli.add_command(serve)  # the same command object `bulletin serve` registers
     sys.exit(main(["serve", *sys.argv[1:]]))

@@ -74,7 +74,7 @@ def _rand_int(rng: random.Random) -> Any:
         return rng.choice(_INTERESTING)
     if choice < 0.8:
         return rng.randrange(-(1 << 70), 1 << 70)
-    return rng.choice([None, True, "x", 1.5, [], {}, "0" * 16, [1, 2, 3]])
+    return rng.choice([None, True, "x", 1.5, [], {}, "0" * 16, [1, 2, 3], "\ud800", "\u00e9", "a/b", "BF16", "U8"])
 
 
 def _mutate_doc(rng: random.Random, doc: Any) -> Any:
@@ -164,7 +164,9 @@ def mutate(rng: random.Random, seeds: Sequence[bytes]) -> list[bytes]:
         doc = json.loads(text)
         for _ in range(rng.randrange(1, 3)):
             doc = _mutate_doc(rng, doc)
-        return [_with_header(data, json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode())]
+        # Canonical JSON, or its ASCII-escaped twin; lone surrogates become invalid UTF-8.
+        text = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=rng.random() < 0.2)
+        return [_with_header(data, text.encode("utf-8", "surrogatepass"))]
     # Sets of shards: duplicates, strangers, a shard missing.
     other = rng.choice(seeds)
     return rng.choice([[data, data], [data, other], [other, data]])

@@ -18,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import traceback
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final, TypeVar
@@ -146,7 +147,11 @@ def isolated(fn: Callable[[], T]) -> T:
     report is on stderr, which pytest shows with the failure.
     """
     read_fd, write_fd = os.pipe()
-    pid = os.fork()
+    with warnings.catch_warnings():
+        # Python >= 3.12 warns when forking with threads alive (torch's pool, here): the
+        # child runs only NumPy and the emulator, which starts its own threads afresh.
+        warnings.filterwarnings("ignore", r"This process .* is multi-threaded", DeprecationWarning)
+        pid = os.fork()
     if pid == 0:  # child: never return into pytest
         os.close(read_fd)
         try:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
 
 from patcher.cast import cast_bits
+from patcher.decode import decode
 from patcher.diff import diff
 from patcher.dtypes import bits_dtype
 from patcher.patch import Patch, TensorSpec
@@ -70,3 +72,20 @@ def model_patch(rng: np.random.Generator) -> tuple[Patch, dict[str, NDArray[Any]
     new["embed.weight"][::7, ::3] += 1
     new["head.bias"][2] ^= 0x40
     return diff(specs, old, new), old, new
+
+
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
+
+
+def golden_cases() -> dict[str, list[Path]]:
+    """The codec's committed golden patches: ``v<major>/<case>`` -> its shard files in order."""
+    cases: dict[str, list[tuple[int, Path]]] = {}
+    for path in GOLDEN.glob("v*/*.shard"):
+        case, _, index = path.stem.rpartition(".")
+        cases.setdefault(f"{path.parent.name}/{case}", []).append((int(index), path))
+    return {name: [p for _, p in sorted(shards)] for name, shards in sorted(cases.items())}
+
+
+def golden_patch(case: str) -> Patch:
+    """A golden case decoded with the codec."""
+    return decode([path.read_bytes() for path in golden_cases()[case]])

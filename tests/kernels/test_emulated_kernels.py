@@ -24,7 +24,16 @@ from kernels import numpy_twin as twin
 from patcher.cast import cast_bits, cast_kind
 from patcher.dtypes import bits_dtype
 from tests.kernels.emulator import EmulatorRuntime, Placed, build_emulator, compiler, isolated
-from tests.kernels.helpers import CASTS, SPECIALS, model_patch, pair, random_bits, sorted_unique
+from tests.kernels.helpers import (
+    CASTS,
+    SPECIALS,
+    golden_cases,
+    golden_patch,
+    model_patch,
+    pair,
+    random_bits,
+    sorted_unique,
+)
 
 pytestmark = pytest.mark.skipif(compiler() is None, reason="the kernel emulator needs g++ (C++20, UBSan)")
 
@@ -191,3 +200,35 @@ def test_apply_patch_and_restore(runtime: EmulatorRuntime) -> None:
         np.testing.assert_array_equal(bits, new[name])
         assert fps[name] == patch.tensors[name].target_fingerprint
     assert failed_and_restored
+
+
+@pytest.mark.skipif(not golden_cases(), reason="no golden patch files under tests/golden")
+@pytest.mark.parametrize("case", sorted(golden_cases()))
+def test_golden_patches_apply_the_same_on_both_paths(runtime: EmulatorRuntime, case: str) -> None:
+    # The codec's committed patches (every dtype width, NaN payloads, escaped deltas),
+    # decoded by patcher.decode and applied onto the same base by both paths.
+    patch = golden_patch(case)
+    # The 2**34-element case pins index arithmetic past 32 bits: that is test_cuda.py's
+    # job (a GPU holds it); here it would need 16 GiB of host memory.
+    checked = [td for td in patch if td.spec.numel <= 1 << 24]
+    if not any(td.changed for td in checked):
+        pytest.skip("every changed tensor of this case is too large for the CPU emulator")
+    rng = np.random.default_rng(8)
+    bases = {td.spec.name: random_bits(rng, td.spec.dtype, td.spec.shape) for td in checked}
+
+    def run() -> dict[str, tuple[int, NDArray[Any], NDArray[np.int64]]]:
+        out = {}
+        for td in checked:
+            placed = Placed(bases[td.spec.name], td.spec.width)
+            change = cuda._apply_delta(runtime, placed.array, td.indices, td.delta)
+            gaps = np.diff(td.indices, prepend=-1)
+            out[td.spec.name] = (change, placed.array.copy(), cuda._decode_gaps(runtime, gaps, 0))
+        return out
+
+    results = isolated(run)
+    for td in checked:
+        change, after, indices = results[td.spec.name]
+        held = bases[td.spec.name].copy()
+        assert change == twin.apply_delta(held, td.indices, td.delta), td.spec.name
+        np.testing.assert_array_equal(after, held, err_msg=td.spec.name)
+        np.testing.assert_array_equal(indices, td.indices, err_msg=td.spec.name)

@@ -33,9 +33,9 @@ def test_check_kernels_compiles_every_file() -> None:
         [sys.executable, "scripts/check_kernels.py"], cwd=ROOT, capture_output=True, text=True, check=False
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    lines = result.stdout.splitlines()
-    assert len(lines) == len(list((ROOT / "kernels").glob("*.cu")))
-    assert all(line.startswith("ok ") for line in lines)
+    verdicts = [line for line in result.stdout.splitlines() if line.startswith(("ok ", "FAIL"))]
+    assert len(verdicts) == len(list((ROOT / "kernels").glob("*.cu")))
+    assert all(line.startswith("ok ") for line in verdicts)
 
 
 def test_check_kernels_without_nvcc(tmp_path: Path) -> None:

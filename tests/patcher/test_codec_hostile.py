@@ -147,6 +147,9 @@ def test_minor_versions_may_add_keys_but_this_one_may_not() -> None:
         (b"1" * 5000, "JSON"),
         (b"[]", "object"),
         (b'{ "entries": [] }', "canonical"),
+        (b'{"a":"\\ud800"}', "not UTF-8"),
+        (b'{"\\udfff":1}', "not UTF-8"),
+        (b'{"a":"\\u00e9"}', "canonical"),
     ],
 )
 def test_bad_json(header: bytes, why: str) -> None:

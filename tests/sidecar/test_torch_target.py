@@ -18,6 +18,7 @@ from bulletin.subscriber import Subscriber
 from patcher.diff import diff
 from patcher.fingerprint import fingerprint
 from patcher.patch import Patch, TensorDelta, TensorSpec
+from tests.sidecar.models import cast
 
 TINY = LlamaConfig(
     vocab_size=96,
@@ -47,7 +48,7 @@ def _version(model: torch.nn.Module) -> tuple[dict[str, TensorSpec], dict[str, n
 
 def test_tied_weights_are_served_once_under_the_trainers_name() -> None:
     trainer = _llama(0)
-    served = _llama(1).to(torch.bfloat16)
+    served = cast(_llama(1))
     target = TorchTarget.from_module(served)
     snap = snapshot(trainer.state_dict(), dtype="BF16")
     assert dict(target.layout()) == snap.specs  # same names, dtypes, shapes as the trainer's
@@ -57,7 +58,7 @@ def test_tied_weights_are_served_once_under_the_trainers_name() -> None:
 
 def test_load_full_then_patch_in_place_matches_the_trainer_bit_for_bit() -> None:
     trainer = _llama(0)
-    served = _llama(1).to(torch.bfloat16)
+    served = cast(_llama(1))
     target = TorchTarget.from_module(served)
     specs, v1 = _version(trainer)
     target.load_full(v1, specs)
@@ -78,9 +79,9 @@ def test_load_full_then_patch_in_place_matches_the_trainer_bit_for_bit() -> None
     assert np.array_equal(_bits(served.model.embed_tokens.weight), v2["lm_head.weight"].reshape(-1))
 
 
-def _setup() -> tuple[TorchTarget, torch.nn.Module, Patch, dict[str, int], dict[str, np.ndarray]]:
+def _setup() -> tuple[TorchTarget, torch.nn.Linear, Patch, dict[str, int], dict[str, np.ndarray]]:
     torch.manual_seed(3)
-    served = torch.nn.Linear(8, 4).to(torch.bfloat16)
+    served = cast(torch.nn.Linear(8, 4))
     target = TorchTarget.from_module(served)
     specs = dict(target.layout())
     old = {n: _bits(t).reshape(specs[n].shape) for n, t in target.tensors.items()}
@@ -233,7 +234,7 @@ def test_packed_views_refuse_what_they_cannot_place() -> None:
 def test_subscriber_drives_a_live_model(tmp_path: Path) -> None:
     store = str(tmp_path / "store")
     trainer = _llama(0)
-    served = _llama(1).to(torch.bfloat16)
+    served = cast(_llama(1))
     target = TorchTarget.from_module(served)
     with Publisher(store, "r", keyframe_every=2) as pub:
         sub = Subscriber(store, "r", target=target)

@@ -20,17 +20,59 @@ from bulletin.subscriber import Subscriber
 from bulletin.target import LocalDirTarget
 from tests.sidecar.engine_servers import VllmServer, extended_worker
 
+HIDDEN, INTERMEDIATE, LAYERS, HEADS, KV_HEADS, VOCAB = 32, 48, 2, 4, 2, 100
 CONFIG = LlamaConfig(
-    vocab_size=100,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
+    vocab_size=VOCAB,
+    hidden_size=HIDDEN,
+    intermediate_size=INTERMEDIATE,
+    num_hidden_layers=LAYERS,
+    num_attention_heads=HEADS,
+    num_key_value_heads=KV_HEADS,
     max_position_embeddings=64,
     tie_word_embeddings=True,
 )
 PADDED_VOCAB = 128  # vLLM pads the vocabulary (to a multiple of 64)
+
+
+def _weight(*shape: int) -> torch.nn.Parameter:
+    return torch.nn.Parameter(torch.zeros(*shape, dtype=torch.bfloat16), requires_grad=False)
+
+
+class _Weight(torch.nn.Module):
+    def __init__(self, *shape: int) -> None:
+        super().__init__()
+        self.weight = _weight(*shape)
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self, h: int, kv: int) -> None:
+        super().__init__()
+        self.qkv_proj = _Weight(h + 2 * kv, h)
+        self.o_proj = _Weight(h, h)
+
+
+class _Mlp(torch.nn.Module):
+    def __init__(self, h: int, i: int) -> None:
+        super().__init__()
+        self.gate_up_proj = _Weight(2 * i, h)
+        self.down_proj = _Weight(h, i)
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, h: int, i: int, kv: int) -> None:
+        super().__init__()
+        self.self_attn = _Attention(h, kv)
+        self.mlp = _Mlp(h, i)
+        self.input_layernorm = _Weight(h)
+        self.post_attention_layernorm = _Weight(h)
+
+
+class _Inner(torch.nn.Module):
+    def __init__(self, h: int, i: int, kv: int, layers: int) -> None:
+        super().__init__()
+        self.embed_tokens = _Weight(PADDED_VOCAB, h)
+        self.layers = torch.nn.ModuleList(_Layer(h, i, kv) for _ in range(layers))
+        self.norm = _Weight(h)
 
 
 class VllmLlama(torch.nn.Module):
@@ -42,49 +84,26 @@ class VllmLlama(torch.nn.Module):
         "gate_up_proj": ["gate_proj", "up_proj"],
     }
 
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        h, i = cfg.hidden_size, cfg.intermediate_size
-        kv = cfg.num_key_value_heads * (h // cfg.num_attention_heads)
-
-        def p(*shape: int) -> torch.nn.Parameter:
-            return torch.nn.Parameter(torch.zeros(*shape, dtype=torch.bfloat16), requires_grad=False)
-
-        self.model = torch.nn.Module()
-        self.model.embed_tokens = torch.nn.Module()
-        self.model.embed_tokens.weight = p(PADDED_VOCAB, h)
-        self.model.layers = torch.nn.ModuleList()
-        for _ in range(cfg.num_hidden_layers):
-            layer = torch.nn.Module()
-            layer.self_attn = torch.nn.Module()
-            layer.self_attn.qkv_proj = torch.nn.Module()
-            layer.self_attn.qkv_proj.weight = p(h + 2 * kv, h)
-            layer.self_attn.o_proj = torch.nn.Module()
-            layer.self_attn.o_proj.weight = p(h, h)
-            layer.mlp = torch.nn.Module()
-            layer.mlp.gate_up_proj = torch.nn.Module()
-            layer.mlp.gate_up_proj.weight = p(2 * i, h)
-            layer.mlp.down_proj = torch.nn.Module()
-            layer.mlp.down_proj.weight = p(h, i)
-            layer.input_layernorm = torch.nn.Module()
-            layer.input_layernorm.weight = p(h)
-            layer.post_attention_layernorm = torch.nn.Module()
-            layer.post_attention_layernorm.weight = p(h)
-            self.model.layers.append(layer)
-        self.model.norm = torch.nn.Module()
-        self.model.norm.weight = p(h)
-        self.lm_head = torch.nn.Module()
+        self.model = _Inner(HIDDEN, INTERMEDIATE, KV_HEADS * HIDDEN // HEADS, LAYERS)
+        self.lm_head = _Weight(1)
         self.lm_head.weight = self.model.embed_tokens.weight  # tied, as vLLM ties it
+
+    def layer(self, n: int) -> _Layer:
+        layer = self.model.layers[n]
+        assert isinstance(layer, _Layer)
+        return layer
 
 
 def expected_fused(trainer: torch.nn.Module) -> dict[str, torch.Tensor]:
     """What each vLLM parameter must hold: the trainer's BF16 tensors, fused and padded."""
     sd = {k: v.detach().to(torch.bfloat16) for k, v in trainer.state_dict().items()}
     out: dict[str, torch.Tensor] = {}
-    embed = torch.zeros(PADDED_VOCAB, CONFIG.hidden_size, dtype=torch.bfloat16)
-    embed[: CONFIG.vocab_size] = sd["model.embed_tokens.weight"]
+    embed = torch.zeros(PADDED_VOCAB, HIDDEN, dtype=torch.bfloat16)
+    embed[:VOCAB] = sd["model.embed_tokens.weight"]
     out["model.embed_tokens.weight"] = embed
-    for n in range(CONFIG.num_hidden_layers):
+    for n in range(LAYERS):
         pre = f"model.layers.{n}."
         out[pre + "self_attn.qkv_proj.weight"] = torch.cat([sd[pre + f"self_attn.{x}_proj.weight"] for x in "qkv"])
         out[pre + "mlp.gate_up_proj.weight"] = torch.cat(
@@ -105,7 +124,7 @@ def assert_holds(engine: VllmLlama, trainer: torch.nn.Module) -> None:
 
 
 def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
-    x = torch.randint(0, CONFIG.vocab_size, (2, 8))
+    x = torch.randint(0, VOCAB, (2, 8))
     model(input_ids=x, labels=x).loss.backward()
     opt.step()
     opt.zero_grad()
@@ -119,7 +138,7 @@ def trainer() -> LlamaForCausalLM:
 
 @pytest.fixture
 def engines() -> Iterator[tuple[VllmServer, list[VllmLlama]]]:
-    models = [VllmLlama(CONFIG), VllmLlama(CONFIG)]  # two workers
+    models = [VllmLlama(), VllmLlama()]  # two workers
     server = VllmServer([extended_worker(m) for m in models])
     try:
         yield server, models
@@ -132,7 +151,7 @@ def test_worker_binds_and_loads_a_keyframe_into_fused_parameters(tmp_path: Path,
 
     snap = snapshot(trainer.state_dict(), dtype="BF16")
     write_checkpoint(tmp_path / "kf", snap.specs, snap.bits)
-    engine = VllmLlama(CONFIG)
+    engine = VllmLlama()
     state = WorkerState(engine)
     specs = [{"name": s.name, "dtype": s.dtype, "shape": list(s.shape)} for s in snap.specs.values()]
     assert state.handle("load", json.dumps({"specs": specs, "path": str(tmp_path / "kf")})) == {"ok": True}
@@ -142,7 +161,7 @@ def test_worker_binds_and_loads_a_keyframe_into_fused_parameters(tmp_path: Path,
 
 
 def test_worker_errors_come_back_as_codes_not_exceptions(trainer: LlamaForCausalLM) -> None:
-    state = WorkerState(VllmLlama(CONFIG))
+    state = WorkerState(VllmLlama())
     assert state.handle("apply", "not json")["code"] == "invalid_input"
     assert state.handle("apply", "{}") == {
         "ok": False,
@@ -191,8 +210,10 @@ def test_a_tampered_worker_is_refused_and_nothing_moves(
         pub.publish(trainer.state_dict())
         sub.sync()
         with torch.no_grad():
-            models[1].model.norm.weight[0] += 1  # worker 1 no longer holds version 1
-        before = [m.model.layers[0].self_attn.qkv_proj.weight.clone() for m in models]
+            # Worker 1 no longer holds version 1 where the next patch writes. (Applies are
+            # O(changed): damage elsewhere is for a full `verify`, not for an apply, to find.)
+            models[1].layer(0).self_attn.qkv_proj.weight.add_(1)
+        before = [m.layer(0).self_attn.qkv_proj.weight.clone() for m in models]
         train_step(trainer, opt)
         pub.publish(trainer.state_dict())
         with pytest.raises(WrongBase):
@@ -200,7 +221,7 @@ def test_a_tampered_worker_is_refused_and_nothing_moves(
     assert sub.current_version == 1
     assert local.restored() is not None and local.restored()[0] == 1  # type: ignore[index]
     for model, old in zip(models, before, strict=True):  # worker 0 applied, then took it back
-        assert torch.equal(model.model.layers[0].self_attn.qkv_proj.weight, old)
+        assert torch.equal(model.layer(0).self_attn.qkv_proj.weight, old)
 
 
 def test_engine_without_dev_mode_is_a_clear_error(tmp_path: Path) -> None:
