@@ -24,7 +24,7 @@ from bulletin.subscriber import Subscriber
 from bulletin.target import ArrayTarget
 from patcher.cast import cast_bits
 
-__all__ = ["DemoReport", "llama_layout", "run_demo"]
+__all__ = ["DemoReport", "SyntheticAdamW", "llama_layout", "run_demo"]
 
 
 def llama_layout(params: int) -> dict[str, tuple[int, ...]]:
@@ -71,7 +71,7 @@ class DemoReport:
     catch_up_from: int = 0
 
 
-class _AdamW:
+class SyntheticAdamW:
     """AdamW on FP32 masters with synthetic gradients: a fixed per-element signal plus
     fresh noise each step, so the moments behave as in real training (the first step
     moves every weight by about lr, later ones by a fraction of it)."""
@@ -124,7 +124,7 @@ def run_demo(
     say(f"model: {len(shapes)} tensors, {total / 1e6:.1f}M parameters, {mib:.1f} MiB in BF16")
     say(f"bucket: {store} (local directory), run {run}, keyframe every {keyframe_every}, lr {lr:g}")
     say(f"{'version':>7}  {'kind':<9} {'changed %':>9} {'bytes':>12} {'vs full':>9} {'B/changed':>9} {'publish s':>9}")
-    optimizer = _AdamW(masters, rng, lr)
+    optimizer = SyntheticAdamW(masters, rng, lr)
     with Publisher(store, run, keyframe_every=keyframe_every) as pub:
         for i in range(versions):
             if i:

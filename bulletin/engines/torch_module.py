@@ -25,6 +25,7 @@ it over): bits are patched, never converted.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Final
 
 import numpy as np
@@ -38,7 +39,7 @@ from bulletin.errors import (
     VerificationFailed,
     WrongBase,
 )
-from patcher.fingerprint import format_fingerprint
+from patcher.fingerprint import fingerprint_delta, format_fingerprint
 from patcher.names import check_tensor_name
 from patcher.patch import Patch, TensorDelta, TensorSpec
 
@@ -50,7 +51,6 @@ if TYPE_CHECKING:
 __all__ = [
     "TORCH_DTYPE_NAMES",
     "TorchTarget",
-    "inverse_patch",
     "module_tensors",
     "packed_views",
     "torch_dtype",
@@ -240,24 +240,22 @@ class _Slot:
         self.backend: Backend = backend_for(self.bits)
         self.device = tensor.device
 
+    @property
+    def on_cpu(self) -> bool:
+        return self.device.type == "cpu"
+
     def to_device(self, array: NDArray[Any]) -> Any:
-        """``array`` where the backend can read it (host arrays go to the tensor's GPU)."""
-        if self.device.type == "cpu":
-            return array
+        """``array`` on the tensor's GPU (host to device copy)."""
         import cupy
 
         with cupy.cuda.Device(self.device.index):
             return cupy.asarray(array)
 
-    def add(self, indices: NDArray[np.int64], delta: NDArray[np.unsignedinteger]) -> int:
-        """Add ``delta`` at ``indices`` in place; the fingerprint change (mod 2**64)."""
-        return self.backend.apply_delta(self.bits, self.to_device(indices), self.to_device(delta))
-
     def fingerprint(self) -> int:
         return self.backend.fingerprint(self.bits)
 
     def overwrite(self, source: NDArray[np.unsignedinteger]) -> None:
-        if self.device.type == "cpu":
+        if self.on_cpu:
             np.copyto(self.bits, source.reshape(self.spec.shape), casting="no")
             return
         import torch
@@ -266,19 +264,45 @@ class _Slot:
         self.tensor.reshape(-1).view(torch.uint8).copy_(host)
 
 
-def _negate(delta: NDArray[np.unsignedinteger]) -> NDArray[np.unsignedinteger]:
+def _negate(delta: Any) -> Any:
     # (-d) mod 2**bits without overflow: d != 0 in a patch, so ~d + 1 <= the dtype's max.
-    return (~delta + delta.dtype.type(1)).astype(delta.dtype, copy=False)
+    return ~delta + delta.dtype.type(1)
 
 
-def inverse_patch(patch: Patch) -> Patch:
-    """The patch that undoes ``patch``: negated deltas, fingerprints swapped."""
-    return Patch(
-        {
-            name: TensorDelta(td.spec, td.indices, _negate(td.delta), td.target_fingerprint, td.base_fingerprint)
-            for name, td in patch.tensors.items()
-        }
-    )
+@dataclass(eq=False, slots=True)
+class _HostWrite:
+    """A CPU tensor's change, computed and verified before anything is written."""
+
+    slot: _Slot
+    indices: NDArray[np.int64]
+    old: NDArray[np.unsignedinteger]
+    new: NDArray[np.unsignedinteger]
+
+    def write(self, values: NDArray[np.unsignedinteger]) -> None:
+        self.slot.bits.reshape(-1)[self.indices] = values
+
+
+@dataclass(eq=False, slots=True)
+class _DeviceWrite:
+    """A CUDA tensor's change, uploaded ahead; the kernel adds and fingerprints it."""
+
+    slot: _Slot
+    delta: TensorDelta
+    indices: Any
+    values: Any
+
+    def add(self, *, undo: bool = False) -> int:
+        values = _negate(self.values) if undo else self.values
+        return self.slot.backend.apply_delta(self.slot.bits, self.indices, values)
+
+
+@dataclass(eq=False, slots=True)
+class _Prepared:
+    patch: Patch
+    base: dict[str, int]
+    fingerprints: dict[str, int]
+    host: list[_HostWrite]
+    device: list[_DeviceWrite]
 
 
 class TorchTarget:
@@ -288,13 +312,22 @@ class TorchTarget:
     CPU or CUDA, in the served dtype). ``on_activate`` is called with each version made
     live, after the bits are verified (an engine hook, a log line).
 
-    An apply checks every base fingerprint before it writes anything, adds the deltas
-    through :func:`kernels.backend_for` (the NumPy twin for CPU tensors, the CUDA
-    kernels for GPU ones), and takes everything back if a tensor does not land on its
-    target fingerprint (``VerificationFailed``). Until :meth:`activate` it keeps the
-    inverse patch, so :meth:`abort` can put the previous version back if the caller
-    decides not to activate. Callers keep requests off the tensors while they change
-    (the sidecar's activation gate does).
+    An apply has two phases so that the engine pauses only for the writes:
+
+    - :meth:`prepare` (requests may still run; it only reads) checks every base
+      fingerprint, the patch's indices, and for CPU tensors gathers the old bits,
+      computes the new ones and their fingerprints and verifies them against the
+      patch's targets; CUDA deltas are uploaded to their devices. A bad patch is
+      refused here, before anything is written.
+    - :meth:`apply` (requests held off by the caller) writes: one scatter per CPU
+      tensor, the CUDA kernels (which add and fingerprint in one pass) for GPU ones,
+      verified as they land; on any failure everything written is put back
+      (``VerificationFailed``). ``apply`` prepares first if :meth:`prepare` was not
+      called with the same patch and fingerprints.
+
+    Until :meth:`activate` the previous bits are kept (the gathered old values, the
+    deltas), so :meth:`abort` can put the previous version back. The caller is the only
+    writer of these tensors between ``prepare`` and ``apply`` (the sync thread is).
     """
 
     #: Live weights change during ``load_full`` and ``apply``, not only at ``activate``.
@@ -325,7 +358,8 @@ class TorchTarget:
             spec = TensorSpec(name, _dtype_name(tensor, name), tuple(int(d) for d in tensor.shape))
             self._slots[name] = _Slot(tensor.detach(), spec)
         self._specs = {name: slot.spec for name, slot in self._slots.items()}
-        self._undo: tuple[Patch, dict[str, int]] | None = None
+        self._prepared: _Prepared | None = None
+        self._undo: _Prepared | None = None
         self.version: int | None = None
 
     @classmethod
@@ -361,12 +395,12 @@ class TorchTarget:
             array = tensors.get(name)
             if array is None or array.dtype != spec.bits_dtype or array.size != spec.numel:
                 raise IncompatibleTensors(f"{name}: expected {spec.numel} x {spec.bits_dtype}")
-        self._undo = None
+        self._prepared = self._undo = None
         for name, slot in self._slots.items():
             slot.overwrite(tensors[name])
 
-    def apply(self, patch: Patch, fingerprints: Mapping[str, int]) -> dict[str, int]:
-        """Apply in place; ``WrongBase`` / ``VerificationFailed`` leave the old bits."""
+    def prepare(self, patch: Patch, fingerprints: Mapping[str, int]) -> None:
+        """Check and precompute an apply without writing anything (see the class notes)."""
         patch.check_layout(self._specs)
         for name, td in patch.tensors.items():
             held = fingerprints.get(name)
@@ -377,50 +411,80 @@ class TorchTarget:
                 )
             if not td.changed and td.target_fingerprint != td.base_fingerprint:
                 raise CorruptData(f"{name}: an unchanged tensor cannot change its fingerprint")
-        new = self._add(patch, fingerprints)
-        self._undo = (inverse_patch(patch), new)
-        return new
+            td.validate()
+        new = {name: fingerprints[name] for name in patch.tensors}
+        host: list[_HostWrite] = []
+        device: list[_DeviceWrite] = []
+        for name, td in patch.tensors.items():
+            if not td.changed:
+                continue
+            slot = self._slots[name]
+            if slot.on_cpu:
+                old = slot.bits.reshape(-1)[td.indices]
+                values = old + td.delta  # unsigned: wraps, as deltas are defined
+                new[name] = (new[name] + fingerprint_delta(td.indices, old, values)) & _MASK64
+                if new[name] != td.target_fingerprint:
+                    raise VerificationFailed(
+                        f"{name}: the patched bits would fingerprint to {format_fingerprint(new[name])}, "
+                        f"not {format_fingerprint(td.target_fingerprint)}; nothing was written"
+                    )
+                host.append(_HostWrite(slot, td.indices, old, values))
+            else:
+                device.append(_DeviceWrite(slot, td, slot.to_device(td.indices), slot.to_device(td.delta)))
+        self._prepared = _Prepared(patch, dict(fingerprints), new, host, device)
+
+    def apply(self, patch: Patch, fingerprints: Mapping[str, int]) -> dict[str, int]:
+        """Apply in place; ``WrongBase`` / ``VerificationFailed`` leave the old bits."""
+        plan = self._prepared
+        if plan is None or plan.patch is not patch or plan.base != dict(fingerprints):
+            self.prepare(patch, fingerprints)
+            plan = self._prepared
+            if plan is None:  # prepare() either sets a plan or raises
+                raise InvalidInput("nothing prepared")
+        self._prepared = None
+        written: list[_HostWrite] = []
+        added: list[_DeviceWrite] = []
+        try:
+            for change in plan.host:
+                change.write(change.new)
+                written.append(change)
+            for write in plan.device:
+                total = write.add()
+                added.append(write)
+                name = write.delta.spec.name
+                landed = (plan.base[name] + total) & _MASK64
+                if landed != write.delta.target_fingerprint:
+                    raise VerificationFailed(
+                        f"{name}: bits after the apply fingerprint to {format_fingerprint(landed)}, "
+                        f"not {format_fingerprint(write.delta.target_fingerprint)}; the previous bits are restored"
+                    )
+        except BaseException:
+            for write in reversed(added):
+                write.add(undo=True)
+            for change in reversed(written):
+                change.write(change.old)
+            raise
+        self._undo = plan
+        return dict(plan.fingerprints)
 
     def abort(self) -> None:
         """Undo an apply that will not be activated (the caller's own check failed)."""
-        if self._undo is None:
+        plan, self._undo, self._prepared = self._undo, None, None
+        if plan is None:
             return
-        undo, fingerprints = self._undo
-        self._undo = None
-        self._add(undo, fingerprints)
+        for write in reversed(plan.device):
+            write.add(undo=True)
+        for change in reversed(plan.host):
+            change.write(change.old)
 
     def full_fingerprints(self) -> dict[str, int]:
         return {name: slot.fingerprint() for name, slot in self._slots.items()}
 
     def activate(self, version: int) -> None:
-        self._undo = None
+        self._undo = self._prepared = None
         self.version = version
         if self._on_activate is not None:
             self._on_activate(version)
-
-    # -- helpers -------------------------------------------------------------------------
-
-    def _add(self, patch: Patch, fingerprints: Mapping[str, int]) -> dict[str, int]:
-        """Add every delta; on any failure take back what was added, then raise."""
-        new = {name: fingerprints[name] for name in patch.tensors}
-        done: list[TensorDelta] = []
-        try:
-            for name, td in patch.tensors.items():
-                if not td.changed:
-                    continue
-                change = self._slots[name].add(td.indices, td.delta)
-                done.append(td)
-                new[name] = (fingerprints[name] + change) & _MASK64
-                if new[name] != td.target_fingerprint:
-                    raise VerificationFailed(
-                        f"{name}: bits after the apply fingerprint to {format_fingerprint(new[name])}, "
-                        f"not {format_fingerprint(td.target_fingerprint)}; the previous bits are restored"
-                    )
-        except BaseException:
-            for td in reversed(done):
-                self._slots[td.spec.name].add(td.indices, _negate(td.delta))
-            raise
-        return new
 
 
 def _check_same_layout(given: Mapping[str, TensorSpec], held: Mapping[str, TensorSpec]) -> None:

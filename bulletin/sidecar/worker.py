@@ -162,6 +162,11 @@ class GatedTarget:
 
     def apply(self, patch: Patch, fingerprints: Mapping[str, int]) -> dict[str, int]:
         if self.in_place:
+            # Targets that can check and precompute an apply by reading only do it while
+            # requests still run, so that the pause below is the writes alone.
+            prepare = getattr(self.inner, "prepare", None)
+            if callable(prepare):
+                prepare(patch, fingerprints)
             self._hold()
         started = time.perf_counter()
         result = self.inner.apply(patch, fingerprints)

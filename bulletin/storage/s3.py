@@ -291,7 +291,8 @@ class S3Store(StoreBase):
             read_timeout=read_timeout,
             max_pool_connections=max_pool_connections,
             tcp_keepalive=True,
-            user_agent_extra=f"bulletin/{__version__}",
+            # A short agent keeps an idle poll (one conditional GET of the head) under 1 KB.
+            user_agent=f"bulletin/{__version__}",
             s3={"addressing_style": addressing_style} if addressing_style else None,
         )
         try:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from bulletin.engines.torch_module import TorchTarget, inverse_patch, module_tensors, packed_views
+from bulletin.engines.torch_module import TorchTarget, module_tensors, packed_views
 from bulletin.errors import CorruptData, IncompatibleTensors, InvalidInput, VerificationFailed, WrongBase
 from bulletin.publisher import Publisher
 from bulletin.snapshot import snapshot
@@ -139,15 +139,6 @@ def test_abort_puts_the_previous_version_back_and_activate_commits() -> None:
     target2.activate(7)
     target2.abort()  # committed: abort has nothing to undo
     assert target2.full_fingerprints() == new_fps and activated == [7] and target2.version == 7
-
-
-def test_inverse_patch_undoes() -> None:
-    _, _, patch, fps, _ = _setup()
-    inv = inverse_patch(patch)
-    for name, td in patch.tensors.items():
-        back = inv.tensors[name]
-        assert back.base_fingerprint == td.target_fingerprint and back.target_fingerprint == fps[name]
-        assert np.all((td.delta + back.delta) == 0)
 
 
 def test_layout_mismatches_are_refused() -> None:
