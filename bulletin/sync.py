@@ -20,7 +20,6 @@ from numpy.typing import NDArray
 from bulletin.chain import Board, StoredManifest
 from bulletin.checkpoint import INDEX_NAME, parse_safetensors_header
 from bulletin.errors import (
-    BulletinError,
     CorruptData,
     FormatError,
     InvalidInput,
@@ -181,6 +180,13 @@ def _transition(stored: StoredManifest, parent_fps: Mapping[str, int], shards: S
     return patch
 
 
+def _abort(target: WeightTarget) -> None:
+    """Put back what the target held before a failed apply or activation, if it can."""
+    abort = getattr(target, "abort", None)
+    if callable(abort):
+        abort()
+
+
 def execute(
     board: Board,
     sync_plan: SyncPlan,
@@ -206,8 +212,12 @@ def execute(
         report.download_s += time.perf_counter() - t0
         report.bytes_downloaded += nbytes
         t1 = time.perf_counter()
-        target.load_full(tensors, manifest_specs(sync_plan.keyframe.manifest))
-        target.activate(sync_plan.keyframe.version)
+        try:
+            target.load_full(tensors, manifest_specs(sync_plan.keyframe.manifest))
+            target.activate(sync_plan.keyframe.version)
+        except BaseException:
+            _abort(target)
+            raise
         report.apply_s += time.perf_counter() - t1
         report.keyframe = sync_plan.keyframe.version
         current = Held(sync_plan.keyframe.version, manifest_fingerprints(sync_plan.keyframe.manifest))
@@ -240,22 +250,17 @@ def execute(
     t2 = time.perf_counter()
     try:
         new_fps = target.apply(folded, current.fingerprints)
-    except BulletinError:
-        abort = getattr(target, "abort", None)
-        if callable(abort):
-            abort()
+        expected = manifest_fingerprints(sync_plan.target.manifest)
+        if new_fps != expected:
+            bad = sorted(n for n in expected if new_fps.get(n) != expected[n])[:3]
+            raise WrongBase(
+                f"version {sync_plan.target.version}: bits after apply do not match the manifest "
+                f"({', '.join(bad)}; got {[format_fingerprint(new_fps.get(n, 0)) for n in bad]})"
+            )
+        target.activate(sync_plan.target.version)
+    except BaseException:
+        _abort(target)
         raise
-    expected = manifest_fingerprints(sync_plan.target.manifest)
-    if new_fps != expected:
-        abort = getattr(target, "abort", None)
-        if callable(abort):
-            abort()
-        bad = sorted(n for n in expected if new_fps.get(n) != expected[n])[:3]
-        raise WrongBase(
-            f"version {sync_plan.target.version}: bits after apply do not match the manifest "
-            f"({', '.join(bad)}; got {[format_fingerprint(new_fps.get(n, 0)) for n in bad]})"
-        )
-    target.activate(sync_plan.target.version)
     report.apply_s += time.perf_counter() - t2
     if on_activate is not None:
         on_activate(sync_plan.target)

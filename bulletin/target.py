@@ -222,6 +222,13 @@ class LocalDirTarget:
         return self._state.version, {n: parse_fingerprint(f) for n, f in self._state.fingerprints.items()}
 
     @property
+    def staged_path(self) -> Path:
+        """The folder holding what was loaded or applied but not yet activated (or, with
+        nothing staged, the current one). Engines reload from it before activation."""
+        name, _ = self._working()
+        return (self.dir / name).resolve()
+
+    @property
     def model_path(self) -> Path | None:
         """The folder an engine should load (stable symlink ``current``)."""
         return self.dir / self.CURRENT if self._state is not None else None

@@ -8,7 +8,6 @@ allocations that grow with the tensor are the outputs, which grow with the numbe
 from __future__ import annotations
 
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Final
 
 import numpy as np
@@ -19,7 +18,7 @@ from patcher.fingerprint import fingerprint
 from patcher.fingerprint_update import fingerprint_change
 from patcher.patch import Patch, TensorDelta, TensorSpec
 
-__all__ = ["CHUNK_WORDS", "PIECE_ELEMENTS", "as_bits", "diff", "diff_bits"]
+__all__ = ["CHUNK_WORDS", "as_bits", "diff", "diff_bits"]
 
 #: 64-bit words compared per step (1 Mi BF16 elements): the mask (256 KiB) and both
 #: input chunks stay in L2. Measured fastest among 64 Ki .. 1 Mi words.
@@ -154,21 +153,12 @@ def _check_fingerprints(specs: Mapping[str, TensorSpec], base_fingerprints: Mapp
             raise InvalidInput(f"{name}: base fingerprint must be an int in [0, 2**64)")
 
 
-#: Elements per unit of work when ``diff`` runs on several threads (64 MiB of BF16).
-PIECE_ELEMENTS: Final = 1 << 25
-
-
-def _pieces(numel: int) -> list[tuple[int, int]]:
-    return [(lo, min(lo + PIECE_ELEMENTS, numel)) for lo in range(0, numel, PIECE_ELEMENTS)] or [(0, 0)]
-
-
 def diff(
     specs: Mapping[str, TensorSpec],
     old: Mapping[str, NDArray[Any]],
     new: Mapping[str, NDArray[Any]],
     *,
     base_fingerprints: Mapping[str, int] | None = None,
-    workers: int = 1,
 ) -> Patch:
     """The patch that turns ``old`` into ``new``, for every tensor of ``specs``.
 
@@ -178,13 +168,7 @@ def diff(
     ``base_fingerprints`` (the fingerprints of ``old``, which the publisher already
     holds) to skip hashing every base tensor in full. They are trusted: a wrong base
     fingerprint yields a patch that no holder of ``old`` will accept.
-
-    ``workers`` > 1 compares pieces of up to :data:`PIECE_ELEMENTS` elements on that
-    many threads (NumPy releases the GIL in the compare and the scan); the patch is the
-    same. A single thread is already bound by memory bandwidth; a second core adds some.
     """
-    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
-        raise InvalidInput(f"workers must be a positive int, got {workers!r}")
     for name, spec in specs.items():
         if not isinstance(spec, TensorSpec) or spec.name != name:
             raise InvalidInput(f"specs[{name!r}] must be the TensorSpec named {name!r}")
@@ -196,32 +180,12 @@ def diff(
     if base_fingerprints is not None:
         _check_fingerprints(specs, base_fingerprints)
     # Validate every array before the expensive work so bad input fails fast.
-    flat = {
-        name: (as_bits(old[name], spec, "old").reshape(-1), as_bits(new[name], spec, "new").reshape(-1))
-        for name, spec in specs.items()
-    }
-    names = sorted(specs)
-    tasks = [(name, lo, hi) for name in names for lo, hi in _pieces(specs[name].numel)]
-
-    def run(task: tuple[str, int, int]) -> tuple[_Changes, int]:
-        a, b = flat[task[0]]
-        found = _changes_range(a, b, task[1], task[2])
-        # Fingerprint changes add up, so each piece contributes its own.
-        return found, fingerprint_change(found[0], found[1], found[1] + found[2])
-
-    if workers == 1 or len(tasks) == 1:
-        results = list(map(run, tasks))
-    else:
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="diff") as pool:
-            results = list(pool.map(run, tasks))
-    by_name: dict[str, list[tuple[_Changes, int]]] = {name: [] for name in names}
-    for (name, _, _), result in zip(tasks, results, strict=True):
-        by_name[name].append(result)
+    pairs = {name: (as_bits(old[name], spec, "old"), as_bits(new[name], spec, "new")) for name, spec in specs.items()}
     out: dict[str, TensorDelta] = {}
-    for name in names:
-        spec = specs[name]
-        indices, _, delta = _concat([r[0] for r in by_name[name]], spec.bits_dtype)
-        base = fingerprint(flat[name][0]) if base_fingerprints is None else base_fingerprints[name]
-        target = (base + sum(r[1] for r in by_name[name])) & 0xFFFFFFFFFFFFFFFF
-        out[name] = TensorDelta(spec, indices, delta, base, target)
+    for name in sorted(specs):
+        a, b = pairs[name]
+        indices, was, delta = _changes(a, b)
+        base = fingerprint(a) if base_fingerprints is None else base_fingerprints[name]
+        target = (base + fingerprint_change(indices, was, was + delta)) & 0xFFFFFFFFFFFFFFFF
+        out[name] = TensorDelta(specs[name], indices, delta, base, target)
     return Patch(out)

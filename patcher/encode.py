@@ -213,9 +213,9 @@ def _pack_tensor(packer: _Packer, info: TensorInfo, td: TensorDelta, compress: C
     if td.changed == 0:
         empty = _Piece(name, 0, info.spec.numel, 0, b"", 0, b"", 0, 0)
         if packer.room(info, empty) < 0:
-            if packer.is_empty():
+            packer.close()  # (an empty shard may take it; else nothing can)
+            if packer.room(info, empty) < 0:
                 raise _too_small(name, packer.max)
-            packer.close()
         packer.add(info, empty)
         return
     pos, start = 0, 0

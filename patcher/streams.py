@@ -48,16 +48,14 @@ def _to_planes(values: NDArray[np.unsignedinteger], width: int) -> bytes:
     return np.ascontiguousarray(le[:, :width].T).tobytes()
 
 
-def _from_planes(raw: memoryview | bytes, count: int, width: int) -> NDArray[np.unsignedinteger]:
-    """Values from ``width`` byte planes, in the smallest unsigned dtype that holds them."""
+def _from_planes(raw: memoryview | bytes, count: int, width: int) -> NDArray[np.uint64]:
+    """Values from ``width`` byte planes (a fresh, writable uint64 array)."""
     planes = np.frombuffer(raw, dtype=np.uint8, count=count * width).reshape(width, count)
-    if width == 1:
-        low: NDArray[np.unsignedinteger] = planes[0]
-        return low
-    size = 2 if width == 2 else 4 if width <= 4 else 8
-    buf = np.empty((count, size), dtype=np.uint8) if size == width else np.zeros((count, size), dtype=np.uint8)
-    buf[:, :width] = planes.T
-    values: NDArray[np.unsignedinteger] = buf.view(f"<u{size}").reshape(count)
+    # Horner over the planes, top first: contiguous passes, no strided transpose.
+    values: NDArray[np.uint64] = planes[width - 1].astype(np.uint64)
+    for j in range(width - 2, -1, -1):
+        values <<= np.uint64(8)
+        values += planes[j]
     return values
 
 
@@ -87,7 +85,7 @@ def unpack_gaps(raw: memoryview | bytes, count: int, width: int, start: int, sto
         raise FormatError(f"{what}: a gap of 0 (indices must be strictly increasing)")
     if int(gaps.max()) > span:
         raise FormatError(f"{what}: a gap larger than the entry's range {span}")
-    ends = np.cumsum(gaps, dtype=np.uint64)
+    ends = np.cumsum(gaps, out=gaps)
     # Each gap is <= span < 2**63, so a wrap of the uint64 running sum would show as a
     # decrease; it cannot happen at all when count * span < 2**64.
     if count * span >= 1 << 64 and count > 1 and not bool(np.all(ends[1:] > ends[:-1])):

@@ -18,8 +18,8 @@ fingerprint verification and activation. It is read from the sidecar's own metri
 
 The baseline is a *full reload*: ``model.load_state_dict`` of the whole BF16 state dict
 of the same version, already in host memory (no disk, no network: the cheapest full
-reload there is), timed on the same model in the same run. On a GPU the state dict is
-copied from host memory, as an engine loading a checkpoint does.
+reload there is), timed on the same model in the same run, best of three. On a GPU the
+state dict is copied from host memory, as an engine loading a checkpoint does.
 
 Each version's pause, changed elements and nanoseconds per changed element are
 printed, then the median pause, the median full reload and their ratio per device. The
@@ -61,6 +61,10 @@ PRESETS: dict[str, dict[str, int]] = {
     # ~0.4B parameters: for GPU machines.
     "medium": {"vocab": 32000, "hidden": 1024, "inter": 2816, "layers": 24, "heads": 16, "kv": 8},
 }
+
+
+#: Full reloads timed per version; the fastest counts.
+RELOAD_REPEATS = 3
 
 
 @dataclass
@@ -151,11 +155,14 @@ def _measure_device(
             result.pauses_s.append(metrics.pause_seconds.sum() - before_sum)
             result.changed.append(report.changed_elements)
             host = {k: v.to(torch.bfloat16) for k, v in state.items()}
-            _sync(device)
-            started = time.perf_counter()
-            model.load_state_dict(host)  # the full reload, into the same live model
-            _sync(device)
-            result.reloads_s.append(time.perf_counter() - started)
+            best = float("inf")
+            for _ in range(RELOAD_REPEATS):  # the baseline's best case: this machine is shared
+                _sync(device)
+                started = time.perf_counter()
+                model.load_state_dict(host)  # the full reload (same bits), into the live model
+                _sync(device)
+                best = min(best, time.perf_counter() - started)
+            result.reloads_s.append(best)
         stop.set()
     subscriber.close()
     return result

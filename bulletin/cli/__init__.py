@@ -29,11 +29,13 @@ from bulletin.errors import (
     BulletinError,
     Conflict,
     CorruptData,
+    EngineError,
     InvalidInput,
     NotFound,
     StorageUnavailable,
     WrongBase,
 )
+from bulletin.sidecar.cli import serve
 
 __all__ = ["EXIT_CODES", "cli", "main"]
 
@@ -45,6 +47,7 @@ EXIT_CODES: Final[tuple[tuple[type[BulletinError], int], ...]] = (
     (CorruptData, 5),
     (WrongBase, 6),
     (StorageUnavailable, 7),
+    (EngineError, 8),
     (BulletinError, 1),
 )
 
@@ -75,6 +78,7 @@ for command in (
     verify_command,
     gc_command,
     demo_command,
+    serve,
 ):
     cli.add_command(command)
 

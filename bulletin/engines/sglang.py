@@ -145,6 +145,4 @@ class SGLangTarget:
 
 def _staged_folder(local: LocalDirTarget) -> Path:
     """The folder holding what was loaded or applied but not yet activated."""
-    # LocalDirTarget has no public name for its working folder yet; `_working()` is it.
-    name, _ = local._working()
-    return (local.dir / name).resolve()
+    return local.staged_path

@@ -8,10 +8,13 @@ changes the changed elements of the very storage the forward pass reads, so the 
 an update causes is proportional to the number of changed elements, not to the model.
 
 - CPU tensors are patched through zero-copy NumPy views of their bits
-  (``tensor.view(torch.uint16).numpy()`` for BF16) by the NumPy twin of the kernels;
-- CUDA tensors are patched by the CUDA kernels on zero-copy CuPy views of the same
-  storage (:func:`kernels.dispatch.as_bits`, :func:`kernels.dispatch.backend_for`);
-  the two produce the same bits and the same fingerprints.
+  (:func:`kernels.dispatch.as_bits`: ``tensor.view(torch.uint16).numpy()`` for BF16):
+  the new bits and their fingerprints are computed and verified with NumPy before
+  anything is written, then scattered into the same memory;
+- CUDA tensors are patched by the CUDA kernels (:func:`kernels.dispatch.backend_for`)
+  on zero-copy CuPy views of the same storage, which add and fingerprint in one pass.
+
+Both paths produce the same bits and the same fingerprints (patcher.fingerprint).
 
 Tied weights (``lm_head.weight`` and ``model.embed_tokens.weight`` sharing storage)
 appear under several names in a module but are served once, under the name that
@@ -229,7 +232,7 @@ def _packed_view(
 class _Slot:
     """One served tensor: the live tensor, its bits view, and the backend that patches it."""
 
-    __slots__ = ("backend", "bits", "device", "spec", "tensor")
+    __slots__ = ("backend", "bits", "device", "flat", "spec", "tensor")
 
     def __init__(self, tensor: torch.Tensor, spec: TensorSpec) -> None:
         from kernels.dispatch import as_bits, backend_for
@@ -239,6 +242,8 @@ class _Slot:
         self.bits: Any = as_bits(tensor)  # NumPy view (CPU) or CuPy view (CUDA), zero-copy
         self.backend: Backend = backend_for(self.bits)
         self.device = tensor.device
+        # A flat torch view of the same memory as signed integers of the element width.
+        self.flat = tensor.reshape(-1).view(torch_dtype(_SIGNED_NAMES[spec.width]))
 
     @property
     def on_cpu(self) -> bool:
@@ -264,6 +269,17 @@ class _Slot:
         self.tensor.reshape(-1).view(torch.uint8).copy_(host)
 
 
+_SIGNED: Final[dict[int, np.dtype[Any]]] = {
+    1: np.dtype(np.int8),
+    2: np.dtype(np.int16),
+    4: np.dtype(np.int32),
+    8: np.dtype(np.int64),
+}
+#: Below this many changed elements a plain NumPy scatter beats torch's call overhead.
+_THREADED_SCATTER: Final = 1 << 14
+_SIGNED_NAMES: Final = {1: "I8", 2: "I16", 4: "I32", 8: "I64"}
+
+
 def _negate(delta: Any) -> Any:
     # (-d) mod 2**bits without overflow: d != 0 in a patch, so ~d + 1 <= the dtype's max.
     return ~delta + delta.dtype.type(1)
@@ -279,7 +295,16 @@ class _HostWrite:
     new: NDArray[np.unsignedinteger]
 
     def write(self, values: NDArray[np.unsignedinteger]) -> None:
-        self.slot.bits.reshape(-1)[self.indices] = values
+        if values.size < _THREADED_SCATTER:
+            self.slot.bits.reshape(-1)[self.indices] = values
+            return
+        import torch
+
+        # The same scatter through torch's multi-threaded index_put_ on a signed view of
+        # the same memory: about twice as fast on 2 cores for large changes, and this is
+        # the part requests wait for. Bits are copied, never converted.
+        signed: NDArray[Any] = values.view(_SIGNED[values.dtype.itemsize])
+        self.slot.flat.index_put_((torch.from_numpy(self.indices),), torch.from_numpy(signed))
 
 
 @dataclass(eq=False, slots=True)
@@ -401,6 +426,9 @@ class TorchTarget:
 
     def prepare(self, patch: Patch, fingerprints: Mapping[str, int]) -> None:
         """Check and precompute an apply without writing anything (see the class notes)."""
+        self._prepared = self._plan(patch, fingerprints)
+
+    def _plan(self, patch: Patch, fingerprints: Mapping[str, int]) -> _Prepared:
         patch.check_layout(self._specs)
         for name, td in patch.tensors.items():
             held = fingerprints.get(name)
@@ -431,17 +459,13 @@ class TorchTarget:
                 host.append(_HostWrite(slot, td.indices, old, values))
             else:
                 device.append(_DeviceWrite(slot, td, slot.to_device(td.indices), slot.to_device(td.delta)))
-        self._prepared = _Prepared(patch, dict(fingerprints), new, host, device)
+        return _Prepared(patch, dict(fingerprints), new, host, device)
 
     def apply(self, patch: Patch, fingerprints: Mapping[str, int]) -> dict[str, int]:
         """Apply in place; ``WrongBase`` / ``VerificationFailed`` leave the old bits."""
-        plan = self._prepared
+        plan, self._prepared = self._prepared, None
         if plan is None or plan.patch is not patch or plan.base != dict(fingerprints):
-            self.prepare(patch, fingerprints)
-            plan = self._prepared
-            if plan is None:  # prepare() either sets a plan or raises
-                raise InvalidInput("nothing prepared")
-        self._prepared = None
+            plan = self._plan(patch, fingerprints)
         written: list[_HostWrite] = []
         added: list[_DeviceWrite] = []
         try:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import secrets
 import shutil
 from collections.abc import Mapping
@@ -54,6 +55,7 @@ if TYPE_CHECKING:
 __all__ = ["BulletinWorkerExtension", "VLLMTarget", "WorkerState"]
 
 Bits = NDArray[np.unsignedinteger]
+log = logging.getLogger("bulletin.engines.vllm")
 
 #: Largest spool shard; the decoder's own limits apply on the worker.
 SPOOL_SHARD_BYTES: Final = 64 << 20
@@ -306,12 +308,18 @@ class VLLMTarget:
             raise  # unreachable or broken engine: say so instead of reloading blindly
         except BulletinError:
             return None  # its parameters do not hold this layout: start from a keyframe
-        return restored if engine == restored[1] else None
+        if engine != restored[1]:
+            log.warning(
+                "vLLM does not hold version %d of %s (started from another checkpoint?); loading a keyframe into it",
+                restored[0],
+                self.local.dir,
+            )
+            return None
+        return restored
 
     def load_full(self, tensors: Mapping[str, Bits], specs: Mapping[str, TensorSpec]) -> None:
         self.local.load_full(tensors, specs)
-        name, _ = self.local._working()  # the staged folder (no public name for it yet)
-        self.call("load", {**self._specs_body(specs), "path": str((self.local.dir / name).resolve())})
+        self.call("load", {**self._specs_body(specs), "path": str(self.local.staged_path)})
         self._bound_specs = dict(specs)
 
     def apply(self, patch: Patch, fingerprints: Mapping[str, int]) -> dict[str, int]:

@@ -1,8 +1,9 @@
 """The version-aware sidecar: an HTTP reverse proxy in front of an OpenAI-compatible engine.
 
->>> target = GatedTarget(TorchTarget.from_module(model))
->>> subscriber = Subscriber("s3://bucket/runs", "grpo", target=target)
->>> sidecar = Sidecar(subscriber, "http://127.0.0.1:8001", target=target)
+>>> metrics = SidecarMetrics()
+>>> target = GatedTarget(TorchTarget.from_module(model), metrics)
+>>> subscriber = Subscriber("s3://bucket/runs", "grpo", target=target, on_bytes=metrics.bytes_downloaded.inc)
+>>> sidecar = Sidecar(subscriber, "http://127.0.0.1:8001", target=target, metrics=metrics)
 >>> web.run_app(sidecar.create_app(), port=8000)
 
 Every request not addressed to the sidecar itself (``/healthz``, ``/readyz``,
@@ -46,8 +47,6 @@ log = logging.getLogger("bulletin.sidecar")
 
 #: Paths the sidecar answers itself; everything else goes to the engine.
 INTERNAL_PATHS: Final = ("/healthz", "/readyz", "/version", "/metrics")
-
-_SIDECAR_KEY: Final = web.AppKey("bulletin_sidecar", object)
 
 _REFUSAL_STATUS: Final = {"behind": 409, "gone": 410, "not_ready": 503, "busy": 503}
 _REFUSAL_CODE: Final = {
@@ -140,7 +139,6 @@ class Sidecar:
     def create_app(self) -> web.Application:
         """The aiohttp application; starting it starts the follow loop."""
         app = web.Application(client_max_size=self.config.max_request_bytes)
-        app[_SIDECAR_KEY] = self
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/readyz", self._readyz)
         app.router.add_get("/version", self._version)

@@ -23,12 +23,12 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import numpy as np
 from numpy.typing import NDArray
 
-from bulletin.errors import BulletinError, StorageUnavailable
+from bulletin.errors import BulletinError, EngineError
 from bulletin.sidecar.gate import ActivationGate
 from bulletin.sidecar.metrics import SidecarMetrics
 from bulletin.sidecar.requirements import VersionRequirement
@@ -82,14 +82,14 @@ class GateBridge:
         return self._held_since is not None
 
     def _wait(self, future: Future[_T]) -> _T:
-        # Poll so that a stopping sidecar never leaves this thread blocked forever.
+        # Poll so that a stopping sidecar never leaves this thread blocked for ever.
         while True:
             try:
                 return future.result(timeout=0.25)
             except TimeoutError:
                 if self._stop.is_set() or self.loop.is_closed():
                     future.cancel()
-                    raise StorageUnavailable("the sidecar is stopping") from None
+                    raise EngineError("the sidecar is stopping; the engine keeps its version") from None
 
     def acquire(self) -> None:
         """Block until the gate is held exclusively (idempotent while held)."""
@@ -118,12 +118,18 @@ class GateBridge:
         self._call(self.gate.set_active, version)
 
     def _call(self, fn: Callable[[int | None], None], version: int | None) -> None:
+        """Run ``fn(version)`` on the loop and wait for it; never raises (it runs in
+        ``finally`` blocks, including while the sidecar stops)."""
+
         async def run() -> None:
             fn(version)
 
         if self.loop.is_closed():
             return
-        self._wait(asyncio.run_coroutine_threadsafe(run(), self.loop))
+        try:
+            asyncio.run_coroutine_threadsafe(run(), self.loop).result(timeout=30.0)
+        except (TimeoutError, RuntimeError) as exc:  # a loop that stopped under us
+            log.warning("could not update the activation gate: %r", exc)
 
 
 class GatedTarget:
@@ -196,10 +202,6 @@ class GatedTarget:
         close = getattr(self.inner, "close", None)
         if callable(close):
             close()
-
-    def __getattr__(self, name: str) -> Any:
-        # Engine-specific extras (model_path, reconcile, ...) stay reachable.
-        return getattr(self.inner, name)
 
 
 @dataclass(frozen=True, slots=True)
@@ -312,8 +314,6 @@ class SyncWorker:
         return self.eager_interval if eager else self.poll_interval
 
     def _run(self) -> None:
-        if self.bridge is not None:
-            self.bridge.set_active(self.subscriber.current_version)
         next_due = time.monotonic()
         while not self.stop_event.is_set():
             now = time.monotonic()

@@ -15,7 +15,7 @@ from patcher.diff import diff, diff_bits
 from patcher.fingerprint import fingerprint, fingerprint_delta
 from patcher.fingerprint_update import fingerprint_change
 from patcher.patch import TensorSpec
-from tests.patcher.helpers import assert_patches_equal, mutate, random_bits
+from tests.patcher.helpers import mutate, random_bits
 
 BITS: dict[int, type[np.unsignedinteger]] = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 DTYPE_OF = {1: "U8", 2: "BF16", 4: "F32", 8: "I64"}
@@ -157,28 +157,3 @@ def test_diff_validates_everything_first() -> None:
     # Any dtype of the right width is compared as bits.
     patch = diff({"a": spec}, {"a": np.zeros(4, np.float16)}, {"a": np.full(4, -0.0, np.float16)})
     assert patch.tensors["a"].delta.tolist() == [0x8000] * 4
-
-
-@settings(max_examples=25, deadline=None)
-@given(
-    width=st.sampled_from([1, 2, 4, 8]),
-    n=st.integers(0, 3000),
-    seed=st.integers(0, 2**32 - 1),
-    piece=st.sampled_from([8, 64, 1000]),
-    workers=st.integers(1, 3),
-)
-def test_pieces_and_workers_give_the_same_patch(width: int, n: int, seed: int, piece: int, workers: int) -> None:
-    rng = np.random.default_rng(seed)
-    dtype = DTYPE_OF[width]
-    specs = {name: TensorSpec(name, dtype, (n + i,)) for i, name in enumerate(("a", "b", "c"))}
-    old = {name: random_bits(rng, dtype, spec.shape) for name, spec in specs.items()}
-    new = {name: mutate(rng, old[name], 0.05, dtype) for name in specs}
-    want = diff(specs, old, new)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(diff_module, "PIECE_ELEMENTS", piece)  # a multiple of every word's lanes
-        got = diff(specs, old, new, workers=workers)
-    assert_patches_equal(got, want)
-    for name in specs:
-        assert got.tensors[name].target_fingerprint == fingerprint(new[name])
-    with pytest.raises(InvalidInput):
-        diff(specs, old, new, workers=0)

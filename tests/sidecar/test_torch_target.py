@@ -242,3 +242,19 @@ def test_subscriber_drives_a_live_model(tmp_path: Path) -> None:
             live = served.state_dict()
             for name, bits in expected.items():
                 assert np.array_equal(_bits(live[name]), bits.reshape(-1)), name
+
+
+def test_prepare_reads_only_and_apply_then_writes_exactly_that() -> None:
+    target, served, patch, fps, old = _setup()
+    target.prepare(patch, fps)
+    assert np.array_equal(_bits(served.weight), old["weight"].reshape(-1))  # nothing written yet
+    assert target.full_fingerprints() == fps
+    new = target.apply(patch, fps)
+    assert target.full_fingerprints() == new
+    assert {n: td.target_fingerprint for n, td in patch.tensors.items()} == new
+    # A plan made for other fingerprints is not reused: the apply re-checks and refuses.
+    target.abort()
+    target.prepare(patch, fps)
+    with pytest.raises(WrongBase):
+        target.apply(patch, dict(fps, weight=fps["weight"] ^ 1))
+    assert target.full_fingerprints() == fps
