@@ -43,20 +43,22 @@ from patcher.format import (
     DecodeLimits,
     EntryInfo,
     ShardHeader,
-    StreamRef,
+    Stream,
     TensorInfo,
     canonical_json,
+    codes_size,
     compute_patch_id,
+    stream_sizes,
 )
 from patcher.patch import Patch, TensorDelta, TensorSpec
-from patcher.streams import byte_width, unpack_deltas, unpack_gaps
+from patcher.streams import byte_width, deltas_from_parts, gaps_from_planes
 
 __all__ = ["DecodedEntry", "DecodedShard", "decode", "decode_shard", "read_shard_header"]
 
 _HEX: Final = frozenset("0123456789abcdef")
-_TOP_KEYS: Final = frozenset({"entries", "patch", "shard", "shards", "tensors"})
+_TOP_KEYS: Final = frozenset({"codes", "entries", "escapes", "gaps", "patch", "shard", "shards", "tensors"})
 _TENSOR_KEYS: Final = frozenset({"base", "changed", "dtype", "shape", "target"})
-_ENTRY_KEYS: Final = frozenset({"count", "deltas", "gaps", "start", "stop", "tensor"})
+_ENTRY_KEYS: Final = frozenset({"count", "escape_width", "escapes", "gap_width", "start", "stop", "tensor"})
 _U64_LIMIT: Final = 1 << 64
 
 
@@ -167,7 +169,7 @@ def _tensor_info(name: str, value: object, newer: bool, limits: DecodeLimits) ->
     return TensorInfo(spec, base, target, changed)
 
 
-def _entry(value: object, tensors: dict[str, TensorInfo], offset: int, newer: bool, limits: DecodeLimits) -> EntryInfo:
+def _entry(value: object, tensors: dict[str, TensorInfo], newer: bool) -> EntryInfo:
     doc = _object(value, _ENTRY_KEYS, newer, "entry")
     name = doc["tensor"]
     if not isinstance(name, str) or name not in tensors:
@@ -179,36 +181,57 @@ def _entry(value: object, tensors: dict[str, TensorInfo], offset: int, newer: bo
     if stop == start and numel != 0:
         raise FormatError(f"{name}: empty element range [{start}, {stop})")
     count = _int(doc["count"], f"{name}: count", 0, stop - start)
-    g_off, g_len, g_width = _ints(doc["gaps"], 3, f"{name}: gaps")
-    d_off, d_len, escapes, e_width = _ints(doc["deltas"], 4, f"{name}: deltas")
-    if g_off != offset or d_off != g_off + g_len:
-        raise FormatError(f"{name}: streams do not tile the payload (hole or overlap)")
+    gap_width = _int(doc["gap_width"], f"{name}: gap_width", 0, 8)
+    escapes = _int(doc["escapes"], f"{name}: escapes", 0, count)
+    escape_width = _int(doc["escape_width"], f"{name}: escape_width", 0, width)
     if count == 0:
         if info.changed != 0 or start != 0 or stop != numel:
             raise FormatError(f"{name}: an empty entry must cover a whole unchanged tensor")
-        if (g_len, g_width, d_len, escapes, e_width) != (0, 0, 0, 0, 0):
-            raise FormatError(f"{name}: an empty entry must have empty streams")
-    else:
-        if not 1 <= g_width <= byte_width(stop - start):
-            raise FormatError(f"{name}: gap width {g_width} impossible for its range")
-        if g_len == 0 or d_len == 0:
-            raise FormatError(f"{name}: a nonempty entry with an empty stream")
-        if escapes > count or (escapes == 0) != (e_width == 0) or e_width > width:
-            raise FormatError(f"{name}: bad escapes ({escapes} of width {e_width})")
-    entry = EntryInfo(
-        name, start, stop, count, StreamRef(g_off, g_len), g_width, StreamRef(d_off, d_len),
-        escapes, e_width,
-    )  # fmt: skip
-    # Decompression bombs: a stream may not promise more than max_expansion per byte.
-    for size, ref in ((entry.gaps_size, entry.gaps), (entry.deltas_size, entry.deltas)):
-        if size > ref.length * limits.max_expansion:
-            raise FormatError(f"{name}: stream declares {size} bytes from {ref.length}")
-    return entry
+        if gap_width != 0:
+            raise FormatError(f"{name}: an empty entry must have no gaps")
+    elif not 1 <= gap_width <= byte_width(stop - start):
+        raise FormatError(f"{name}: gap width {gap_width} impossible for its range")
+    if (escapes == 0) != (escape_width == 0):
+        raise FormatError(f"{name}: bad escapes ({escapes} of width {escape_width})")
+    return EntryInfo(name, start, stop, count, gap_width, escapes, escape_width)
+
+
+def _streams(
+    doc: dict[str, object], entries: list[EntryInfo], payload_length: int, limits: DecodeLimits
+) -> tuple[tuple[Stream, ...], Stream, tuple[Stream, ...]]:
+    """The payload's streams, checked to tile it and to promise no decompression bomb."""
+    gap_sizes, codes_size_, escape_sizes = stream_sizes(entries)
+    gaps_doc, escapes_doc = doc["gaps"], doc["escapes"]
+    if not isinstance(gaps_doc, list) or len(gaps_doc) != len(gap_sizes):
+        raise FormatError(f"gaps must list {len(gap_sizes)} streams, one per byte of the widest gap")
+    if not isinstance(escapes_doc, list) or len(escapes_doc) != len(escape_sizes):
+        raise FormatError(f"escapes must list {len(escape_sizes)} streams, one per byte of the widest escape")
+    docs = [*gaps_doc, doc["codes"], *escapes_doc]
+    sizes = [*gap_sizes, codes_size_, *escape_sizes]
+    streams: list[Stream] = []
+    offset = 0
+    for value, size in zip(docs, sizes, strict=True):
+        start, length = _ints(value, 2, "a stream")
+        if start != offset:
+            raise FormatError(f"streams do not tile the payload: one starts at {start}, expected {offset}")
+        if length > size or (length == 0) != (size == 0):
+            raise FormatError(f"a {length}-byte stream cannot hold {size} decoded bytes")
+        # Decompression bombs: a stream may not promise more than max_expansion per byte.
+        if size > length * limits.max_expansion:
+            raise FormatError(f"a stream declares {size} bytes from {length}")
+        streams.append(Stream(start, length, size))
+        offset += length
+    if offset != payload_length:
+        raise FormatError(f"streams cover {offset} bytes of a {payload_length}-byte payload")
+    n = len(gap_sizes)
+    return tuple(streams[:n]), streams[n], tuple(streams[n + 1 :])
 
 
 def _header(
     doc_value: object, newer: bool, payload_length: int, limits: DecodeLimits
-) -> tuple[str, int, int, dict[str, TensorInfo], tuple[EntryInfo, ...]]:
+) -> tuple[
+    str, int, int, dict[str, TensorInfo], tuple[EntryInfo, ...], tuple[tuple[Stream, ...], Stream, tuple[Stream, ...]]
+]:
     doc = _object(doc_value, _TOP_KEYS, newer, "header")
     patch_id = doc["patch"]
     if not isinstance(patch_id, str) or len(patch_id) != 64 or not set(patch_id) <= _HEX:
@@ -223,28 +246,26 @@ def _header(
     if not isinstance(entries_doc, list) or len(entries_doc) > limits.max_entries:
         raise FormatError(f"entries must be a list of at most {limits.max_entries}")
     entries: list[EntryInfo] = []
-    offset = 0
     decoded = 0
     per_tensor: dict[str, int] = {}
     for value in entries_doc:
-        e = _entry(value, tensors, offset, newer, limits)
+        e = _entry(value, tensors, newer)
         if entries and (e.tensor, e.start) <= (entries[-1].tensor, entries[-1].start):
             raise FormatError(f"{e.tensor}: entries out of order")
         if entries and e.tensor == entries[-1].tensor and e.start < entries[-1].stop:
             raise FormatError(f"{e.tensor}: entries overlap at {e.start}")
-        offset = e.deltas.end
         per_tensor[e.tensor] = per_tensor.get(e.tensor, 0) + e.count
         if per_tensor[e.tensor] > tensors[e.tensor].changed:
             raise FormatError(f"{e.tensor}: entries hold more changes than the tensor has")
-        decoded += e.gaps_size + e.deltas_size + e.count * (8 + tensors[e.tensor].spec.width)
+        # Decoded streams plus the arrays they become (int64 indices, deltas).
+        decoded += e.decoded_bytes + e.count * (8 + tensors[e.tensor].spec.width)
         if decoded > limits.max_decoded_bytes:
             raise FormatError(f"shard would decode to more than {limits.max_decoded_bytes} bytes")
         entries.append(e)
-    if offset != payload_length:
-        raise FormatError(f"streams cover {offset} bytes of a {payload_length}-byte payload")
     if per_tensor.keys() != tensors.keys():
         raise FormatError("a tensor is described but has no entry in the shard")
-    return patch_id, index, count, tensors, tuple(entries)
+    streams = _streams(doc, entries, payload_length, limits)
+    return patch_id, index, count, tensors, tuple(entries), streams
 
 
 def _view(data: bytes | bytearray | memoryview) -> memoryview:
@@ -285,10 +306,10 @@ def read_shard_header(data: bytes | bytearray | memoryview, *, limits: DecodeLim
     raw = memoryview(Decompressor(CODEC_NAMES[codec_id])(stored, j_len, "header"))
     doc = _parse_json(raw)
     newer = minor > FORMAT_MINOR
-    patch_id, index, count, tensors, entries = _header(doc, newer, p_len, limits)
+    patch_id, index, count, tensors, entries, (gaps, codes, escapes) = _header(doc, newer, p_len, limits)
     return ShardHeader(
         major, minor, CODEC_NAMES[codec_id], h_len, j_len, p_len, h_crc, p_crc,
-        patch_id, index, count, tensors, entries,
+        patch_id, index, count, tensors, entries, gaps, codes, escapes,
     )  # fmt: skip
 
 
@@ -299,19 +320,36 @@ def _decode_payload(view: memoryview, header: ShardHeader) -> tuple[DecodedEntry
     payload = view[header.payload_offset :]
     if zlib.crc32(payload) != header.payload_crc32:
         raise CorruptData(f"payload checksum mismatch in shard {header.shard_index}")
-    out: list[DecodedEntry] = []
     decompress = Decompressor(header.codec)
+
+    def load(stream: Stream, what: str) -> memoryview:
+        return memoryview(decompress(payload[stream.offset : stream.end], stream.size, what))
+
+    gap_planes = [load(s, f"gap plane {j}") for j, s in enumerate(header.gap_streams)]
+    codes = load(header.code_stream, "delta codes")
+    escape_planes = [load(s, f"escape plane {j}") for j, s in enumerate(header.escape_streams)]
+    # Each entry's data sits at running positions in every stream it appears in.
+    gap_pos = [0] * len(gap_planes)
+    escape_pos = [0] * len(escape_planes)
+    code_pos = 0
+    out: list[DecodedEntry] = []
     for e in header.entries:
         spec = header.tensors[e.tensor].spec
-        if e.count == 0:
-            empty = np.empty(0, dtype=spec.bits_dtype)
-            out.append(DecodedEntry(e, np.empty(0, dtype=np.int64), empty))
+        n = e.count
+        if n == 0:
+            out.append(DecodedEntry(e, np.empty(0, dtype=np.int64), np.empty(0, dtype=spec.bits_dtype)))
             continue
         what = f"{e.tensor}[{e.start}:{e.stop}]"
-        raw = decompress(payload[e.gaps.offset : e.gaps.end], e.gaps_size, what)
-        indices = unpack_gaps(raw, e.count, e.gap_width, e.start, e.stop, what)
-        raw = decompress(payload[e.deltas.offset : e.deltas.end], e.deltas_size, what)
-        delta = unpack_deltas(raw, e.count, e.escapes, e.escape_width, spec.bits_dtype, what)
+        planes = [gap_planes[j][gap_pos[j] : gap_pos[j] + n] for j in range(e.gap_width)]
+        indices = gaps_from_planes(planes, n, e.start, e.stop, what)
+        size = codes_size(n)
+        escaped = [escape_planes[j][escape_pos[j] : escape_pos[j] + e.escapes] for j in range(e.escape_width)]
+        delta = deltas_from_parts(codes[code_pos : code_pos + size], escaped, n, e.escapes, spec.bits_dtype, what)
+        for j in range(e.gap_width):
+            gap_pos[j] += n
+        for j in range(e.escape_width):
+            escape_pos[j] += e.escapes
+        code_pos += size
         out.append(DecodedEntry(e, indices, delta))
     return tuple(out)
 

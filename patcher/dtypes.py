@@ -48,9 +48,7 @@ def dtype_width(dtype: str) -> int:
     try:
         return DTYPE_WIDTHS[dtype]
     except (KeyError, TypeError):
-        raise UnsupportedDtype(
-            f"unsupported dtype {dtype!r}; known: {', '.join(sorted(DTYPE_WIDTHS))}"
-        ) from None
+        raise UnsupportedDtype(f"unsupported dtype {dtype!r}; known: {', '.join(sorted(DTYPE_WIDTHS))}") from None
 
 
 def bits_dtype(dtype: str) -> np.dtype[np.unsignedinteger]:

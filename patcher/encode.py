@@ -1,18 +1,24 @@
 """Patch -> shards (docs/FORMAT.md, "Patch shards"). Pure: bytes out, no I/O.
 
 Tensors are laid out in name order; each tensor's element range ``[0, numel)`` is cut
-into entries, and entries are packed greedily into shards of at most
-``max_shard_bytes``. A shard's JSON size is bounded from above while packing (offsets
-counted as ``max_shard_bytes``, the shard index and count at 20 digits, the header
-uncompressed), so a finished shard never exceeds the limit. Output is
+into entries of at most :data:`MAX_ENTRY_CHANGED` changes, and entries are packed into
+shards of at most ``max_shard_bytes``. Within a shard, each byte plane of the gaps, the
+delta codes and each byte plane of the escapes form one stream over all its entries, so
+the entropy coder sees long homogeneous runs (and one table each, not one per tensor).
+
+Packing estimates each entry's compressed size from the ratio the last shard achieved,
+compresses, and gives entries back (or cuts one) when a shard comes out too large. The
+size check counts the header uncompressed with the shard index and count at 20 digits,
+so the final shard, whose header can only be shorter, never exceeds the limit. Output is
 deterministic: the same patch, codec, level and library versions give the same bytes.
 """
 
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Final
 
 from bulletin.errors import InvalidInput
@@ -28,133 +34,136 @@ from patcher.format import (
     MAGIC,
     MAX_NUMEL,
     EntryInfo,
-    StreamRef,
     TensorInfo,
     canonical_json,
     compute_patch_id,
     tensor_document,
 )
 from patcher.patch import Patch, TensorDelta
-from patcher.streams import pack_deltas, pack_gaps
+from patcher.streams import delta_parts, gap_planes
 
 __all__ = ["DEFAULT_MAX_SHARD_BYTES", "MAX_ENTRY_CHANGED", "encode"]
 
 DEFAULT_MAX_SHARD_BYTES: Final = 64 << 20
 #: Changed elements per entry at most: bounds the encoder's temporaries (~20 bytes per
-#: element) and gives readers (and the GPU) independent units of work.
+#: element) and the granularity at which shards are filled.
 MAX_ENTRY_CHANGED: Final = 1 << 20
-#: Counted in place of the shard index and count while bounding a header's size: 20
-#: digits hold any value below 2**64.
+#: Written in place of the shard index and count while checking a shard's size: 20
+#: digits hold any value below 2**64, so the real header is never longer.
 _WIDEST: Final = 10**19
+#: First guess of compressed / raw stream bytes; then learnt from each shard built.
+_FIRST_RATIO: Final = 0.6
+
+Compress = Callable[[bytes], bytes]
 
 
 @dataclass(slots=True)
 class _Piece:
-    """An entry with its compressed streams, before it has a place in a payload."""
+    """An entry and its uncompressed contributions to the shard's streams."""
 
-    tensor: str
-    start: int
-    stop: int
-    count: int
-    gaps: bytes
-    gap_width: int
-    deltas: bytes
-    escapes: int
-    escape_width: int
-
-    def json_bound(self, max_offset: int) -> int:
-        """Bytes of this entry's JSON (and a comma) once its streams start before ``max_offset``."""
-        doc = {
-            "count": self.count,
-            "deltas": [max_offset, len(self.deltas), self.escapes, self.escape_width],
-            "gaps": [max_offset, len(self.gaps), self.gap_width],
-            "start": self.start,
-            "stop": self.stop,
-            "tensor": self.tensor,
-        }
-        return len(canonical_json(doc)) + 1
+    info: TensorInfo
+    delta: TensorDelta
+    #: First change of the entry (index into ``delta.indices``).
+    pos: int
+    entry: EntryInfo
+    gaps: list[bytes]
+    codes: bytes
+    escapes: list[bytes]
 
     @property
-    def stream_bytes(self) -> int:
-        return len(self.gaps) + len(self.deltas)
+    def raw_bytes(self) -> int:
+        return self.entry.decoded_bytes
+
+    @property
+    def json_bytes(self) -> int:
+        return len(canonical_json(self.entry.document())) + 1  # and a comma
+
+
+def _piece(info: TensorInfo, td: TensorDelta, pos: int, take: int, start: int) -> _Piece:
+    """The entry holding changes ``pos .. pos + take - 1`` of ``td``, from element ``start``."""
+    name, numel = info.spec.name, info.spec.numel
+    if take == 0:  # an unchanged tensor: one empty entry
+        return _Piece(info, td, 0, EntryInfo(name, 0, numel, 0, 0, 0, 0), [], b"", [])
+    end = pos + take
+    stop = numel if end == td.changed else int(td.indices[end])
+    gaps = gap_planes(td.indices[pos:end], start)
+    codes, escapes = delta_parts(td.delta[pos:end])
+    entry = EntryInfo(name, start, stop, take, len(gaps), len(escapes[0]) if escapes else 0, len(escapes))
+    return _Piece(info, td, pos, entry, gaps, codes, escapes)
+
+
+def _pieces(info: TensorInfo, td: TensorDelta) -> list[_Piece]:
+    if td.changed == 0:
+        return [_piece(info, td, 0, 0, 0)]
+    out, pos, start = [], 0, 0
+    while pos < td.changed:
+        piece = _piece(info, td, pos, min(td.changed - pos, MAX_ENTRY_CHANGED), start)
+        out.append(piece)
+        pos, start = pos + piece.entry.count, piece.entry.stop
+    return out
+
+
+def _cut(piece: _Piece, keep: int) -> tuple[_Piece, _Piece]:
+    """``piece`` as two entries: its first ``keep`` changes, and the rest."""
+    e = piece.entry
+    head = _piece(piece.info, piece.delta, piece.pos, keep, e.start)
+    tail = _piece(piece.info, piece.delta, piece.pos + keep, e.count - keep, head.entry.stop)
+    return head, tail
 
 
 @dataclass(slots=True)
 class _Shard:
-    pieces: list[_Piece] = field(default_factory=list)
-    tensors: dict[str, TensorInfo] = field(default_factory=dict)
-    bound: int = 0  # upper bound of the shard's size so far
+    """Entries and their compressed streams, sized with a worst-case header."""
+
+    pieces: list[_Piece]
+    gaps: list[bytes]
+    codes: bytes
+    escapes: list[bytes]
+    bound: int
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(map(len, self.gaps)) + len(self.codes) + sum(map(len, self.escapes))
 
 
-def _empty_header_bound() -> int:
-    w = _WIDEST
-    doc = {"entries": [], "patch": "0" * 64, "shard": w, "shards": w, "tensors": {}}
-    return FIXED_HEADER_SIZE + len(canonical_json(doc))
-
-
-def _tensor_json_bound(info: TensorInfo) -> int:
-    return len(canonical_json({info.spec.name: tensor_document(info)})) - 2 + 1
-
-
-class _Packer:
-    def __init__(self, max_shard_bytes: int) -> None:
-        self.max = max_shard_bytes
-        self.done: list[_Shard] = []
-        self.current = _Shard(bound=_empty_header_bound())
-
-    def room(self, info: TensorInfo, piece: _Piece) -> int:
-        """Stream bytes that ``piece`` may take in the current shard."""
-        extra = piece.json_bound(self.max)
-        if info.spec.name not in self.current.tensors:
-            extra += _tensor_json_bound(info)
-        return self.max - self.current.bound - extra
-
-    def add(self, info: TensorInfo, piece: _Piece) -> None:
-        shard = self.current
-        shard.bound += piece.json_bound(self.max) + piece.stream_bytes
-        if info.spec.name not in shard.tensors:
-            shard.bound += _tensor_json_bound(info)
-            shard.tensors[info.spec.name] = info
-        shard.pieces.append(piece)
-
-    def is_empty(self) -> bool:
-        return not self.current.pieces
-
-    def close(self) -> None:
-        self.done.append(self.current)
-        self.current = _Shard(bound=_empty_header_bound())
-
-    def finish(self, patch_id: str, codec: str, compress: Callable[[bytes], bytes]) -> list[bytes]:
-        if self.current.pieces or not self.done:
-            self.done.append(self.current)
-        n = len(self.done)
-        return [_serialise(s, i, n, patch_id, codec, compress) for i, s in enumerate(self.done)]
-
-
-def _serialise(
-    shard: _Shard, index: int, count: int, patch_id: str, codec: str, compress: Callable[[bytes], bytes]
-) -> bytes:
-    entries: list[dict[str, object]] = []
-    streams: list[bytes] = []
+def _document(shard: _Shard, patch_id: str, index: int, count: int) -> dict[str, object]:
+    streams: list[list[int]] = []
     offset = 0
-    for p in shard.pieces:
-        gaps = StreamRef(offset, len(p.gaps))
-        deltas = StreamRef(gaps.end, len(p.deltas))
-        offset = deltas.end
-        entry = EntryInfo(p.tensor, p.start, p.stop, p.count, gaps, p.gap_width, deltas, p.escapes, p.escape_width)
-        entries.append(entry.document())
-        streams += (p.gaps, p.deltas)
-    doc = {
-        "entries": entries,
+    for data in (*shard.gaps, shard.codes, *shard.escapes):
+        streams.append([offset, len(data)])
+        offset += len(data)
+    n_gaps = len(shard.gaps)
+    tensors = {p.info.spec.name: p.info for p in shard.pieces}
+    return {
+        "codes": streams[n_gaps],
+        "entries": [p.entry.document() for p in shard.pieces],
+        "escapes": streams[n_gaps + 1 :],
+        "gaps": streams[:n_gaps],
         "patch": patch_id,
         "shard": index,
         "shards": count,
-        "tensors": {name: tensor_document(info) for name, info in shard.tensors.items()},
+        "tensors": {name: tensor_document(info) for name, info in tensors.items()},
     }
-    header_json = canonical_json(doc)
-    # Names and keys repeat, so the JSON shrinks ~5x: for small models it is most of a shard.
+
+
+def _build(pieces: list[_Piece], compress: Compress) -> _Shard:
+    n_gaps = max((len(p.gaps) for p in pieces), default=0)
+    n_escapes = max((len(p.escapes) for p in pieces), default=0)
+    # Plane j of a stream concatenates plane j of every entry that has one, in order.
+    gaps = [compress(b"".join(p.gaps[j] for p in pieces if len(p.gaps) > j)) for j in range(n_gaps)]
+    codes = compress(b"".join(p.codes for p in pieces))
+    escapes = [compress(b"".join(p.escapes[j] for p in pieces if len(p.escapes) > j)) for j in range(n_escapes)]
+    shard = _Shard(pieces, gaps, codes, escapes, 0)
+    shard.bound = FIXED_HEADER_SIZE + len(canonical_json(_document(shard, "0" * 64, _WIDEST, _WIDEST)))
+    shard.bound += shard.payload_bytes
+    return shard
+
+
+def _serialise(shard: _Shard, patch_id: str, index: int, count: int, codec: str, compress: Compress) -> bytes:
+    header_json = canonical_json(_document(shard, patch_id, index, count))
+    # Names, keys and shapes repeat: the JSON shrinks ~5x, which matters for small models.
     header = compress(header_json)
-    payload = b"".join(streams)
+    payload = b"".join((*shard.gaps, shard.codes, *shard.escapes))
     fixed = FIXED_HEADER.pack(
         MAGIC,
         FORMAT_MAJOR,
@@ -171,6 +180,57 @@ def _serialise(
     return b"".join([fixed[:HEADER_CRC_OFFSET], header_crc.to_bytes(4, "little"), header, payload])
 
 
+def _too_small(piece: _Piece, max_shard_bytes: int) -> InvalidInput:
+    return InvalidInput(f"max_shard_bytes={max_shard_bytes} cannot hold one element of {piece.entry.tensor}")
+
+
+def _pack(pieces: Sequence[_Piece], max_shard_bytes: int, compress: Compress) -> list[_Shard]:
+    """Greedy, estimate-guided packing; every shard returned is within the limit."""
+    pending = deque(pieces)
+    shards: list[_Shard] = []
+    ratio = _FIRST_RATIO
+    base = _build([], compress).bound  # a shard's size with no entries
+
+    def estimate(piece: _Piece, names: set[str]) -> int:
+        name = piece.info.spec.name
+        described = 0 if name in names else len(canonical_json({name: tensor_document(piece.info)}))
+        return int(piece.raw_bytes * ratio) + piece.json_bytes + described
+
+    while pending:
+        take = [pending.popleft()]
+        names = {take[0].info.spec.name}
+        used = base + estimate(take[0], set())
+        while pending and used + estimate(pending[0], names) <= max_shard_bytes:
+            used += estimate(pending[0], names)
+            names.add(pending[0].info.spec.name)
+            take.append(pending.popleft())
+        while True:
+            shard = _build(take, compress)
+            if shard.bound <= max_shard_bytes:
+                break
+            over = shard.bound - max_shard_bytes
+            if len(take) > 1:
+                # Give back entries from the end until their estimate covers the excess.
+                given = 0
+                while len(take) > 1 and given < over:
+                    given += estimate(take[-1], set())
+                    pending.appendleft(take.pop())
+                continue
+            piece = take[0]
+            if piece.entry.count <= 1:
+                raise _too_small(piece, max_shard_bytes)
+            # Compressed size is about proportional to the changes; aim under.
+            keep = max(1, min(piece.entry.count - 1, int(piece.entry.count * max_shard_bytes / shard.bound * 0.9)))
+            head, tail = _cut(piece, keep)
+            pending.appendleft(tail)
+            take = [head]
+        raw = sum(p.raw_bytes for p in take)
+        if raw:
+            ratio = min(1.0, max(0.05, shard.payload_bytes / raw * 1.05))
+        shards.append(shard)
+    return shards or [_build([], compress)]
+
+
 def _infos(patch: Patch) -> dict[str, TensorInfo]:
     infos: dict[str, TensorInfo] = {}
     for name in sorted(patch.tensors):
@@ -184,60 +244,6 @@ def _infos(patch: Patch) -> dict[str, TensorInfo]:
             raise InvalidInput(f"{name}: unchanged tensor with different base and target")
         infos[name] = TensorInfo(td.spec, td.base_fingerprint, td.target_fingerprint, td.changed)
     return infos
-
-
-def _piece(td: TensorDelta, pos: int, take: int, start: int, compress: Callable[[bytes], bytes]) -> _Piece:
-    end = pos + take
-    stop = td.spec.numel if end == td.changed else int(td.indices[end])
-    gaps, gap_width = pack_gaps(td.indices[pos:end], start)
-    deltas, escapes, escape_width = pack_deltas(td.delta[pos:end])
-    return _Piece(
-        td.spec.name,
-        start,
-        stop,
-        take,
-        compress(gaps),
-        gap_width,
-        compress(deltas),
-        escapes,
-        escape_width,
-    )
-
-
-def _too_small(name: str, max_shard_bytes: int) -> InvalidInput:
-    return InvalidInput(f"max_shard_bytes={max_shard_bytes} cannot hold one element of {name}")
-
-
-def _pack_tensor(packer: _Packer, info: TensorInfo, td: TensorDelta, compress: Callable[[bytes], bytes]) -> None:
-    name = info.spec.name
-    if td.changed == 0:
-        empty = _Piece(name, 0, info.spec.numel, 0, b"", 0, b"", 0, 0)
-        if packer.room(info, empty) < 0:
-            packer.close()  # (an empty shard may take it; else nothing can)
-            if packer.room(info, empty) < 0:
-                raise _too_small(name, packer.max)
-        packer.add(info, empty)
-        return
-    pos, start = 0, 0
-    while pos < td.changed:
-        take = min(td.changed - pos, MAX_ENTRY_CHANGED)
-        while True:
-            piece = _piece(td, pos, take, start, compress)
-            room = packer.room(info, piece)
-            if piece.stream_bytes <= room:
-                break
-            if take == 1 or room <= 0:
-                # Nothing of this tensor fits in what is left: start a fresh shard.
-                if packer.is_empty():
-                    raise _too_small(name, packer.max)
-                packer.close()
-                take = min(td.changed - pos, MAX_ENTRY_CHANGED)
-                continue
-            # Compressed size is about proportional to the element count; aim under.
-            take = max(1, min(take - 1, int(take * room / piece.stream_bytes * 0.9)))
-        packer.add(info, piece)
-        pos += take
-        start = piece.stop
 
 
 def encode(
@@ -266,7 +272,7 @@ def encode(
     if not isinstance(patch, Patch):
         raise InvalidInput(f"expected a Patch, got {type(patch)}")
     infos = _infos(patch)
-    packer = _Packer(max_shard_bytes)
-    for name, info in infos.items():
-        _pack_tensor(packer, info, patch.tensors[name], compress)
-    return packer.finish(compute_patch_id(infos), codec, compress)
+    pieces = [piece for name, info in infos.items() for piece in _pieces(info, patch.tensors[name])]
+    shards = _pack(pieces, max_shard_bytes, compress)
+    patch_id = compute_patch_id(infos)
+    return [_serialise(shard, patch_id, i, len(shards), codec, compress) for i, shard in enumerate(shards)]

@@ -1,9 +1,10 @@
 """Constants and the typed header model of patch shards (docs/FORMAT.md, "Patch shards").
 
-A shard is a 40-byte fixed header, a canonical JSON header and a payload of compressed
-streams. This module holds what both sides of the codec share: the byte layout of the
-fixed header, the codec ids, the reader limits, the dataclasses a parsed header becomes,
-and the canonical JSON that makes encoding deterministic. Parsing lives in
+A shard is a 40-byte fixed header, a canonical JSON header and a payload of streams
+(gap planes, delta codes, escape planes), each shared by all the shard's entries. This
+module holds what both sides of the codec share: the byte layout of the fixed header,
+the codec ids, the reader limits, the dataclasses a parsed header becomes, and the
+canonical JSON that makes encoding deterministic. Parsing lives in
 :mod:`patcher.decode`, writing in :mod:`patcher.encode`.
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Final
 
@@ -34,11 +35,12 @@ __all__ = [
     "DecodeLimits",
     "EntryInfo",
     "ShardHeader",
-    "StreamRef",
+    "Stream",
     "TensorInfo",
     "canonical_json",
     "codes_size",
     "compute_patch_id",
+    "stream_sizes",
     "tensor_document",
 ]
 
@@ -110,15 +112,21 @@ class TensorInfo:
 
 
 @dataclass(frozen=True, slots=True)
-class StreamRef:
-    """Where a compressed stream lies in the payload."""
+class Stream:
+    """A stream of the payload: where it lies, and its size once decoded."""
 
     offset: int
+    #: Bytes in the payload: ``size`` when stored verbatim, fewer when compressed.
     length: int
+    #: Bytes once decoded, fixed by the entries (:func:`stream_sizes`).
+    size: int
 
     @property
     def end(self) -> int:
         return self.offset + self.length
+
+    def document(self) -> list[int]:
+        return [self.offset, self.length]
 
 
 def codes_size(count: int) -> int:
@@ -128,42 +136,52 @@ def codes_size(count: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class EntryInfo:
-    """One element range ``[start, stop)`` of a tensor and the streams that encode it."""
+    """One element range ``[start, stop)`` of a tensor: how many changes, at what widths."""
 
     tensor: str
     start: int
     stop: int
     #: Changed elements in ``[start, stop)``.
     count: int
-    gaps: StreamRef
     #: Bytes per gap (1..8); 0 for an empty entry.
     gap_width: int
-    deltas: StreamRef
     #: Elements whose zig-zag delta does not fit a 2-bit code.
     escapes: int
     #: Bytes per escape value (1..element width); 0 when there are none.
     escape_width: int
 
     @property
-    def gaps_size(self) -> int:
-        """Decompressed size of the gap stream."""
-        return self.count * self.gap_width
-
-    @property
-    def deltas_size(self) -> int:
-        """Decompressed size of the delta stream."""
-        return codes_size(self.count) + self.escapes * self.escape_width
+    def decoded_bytes(self) -> int:
+        """Bytes this entry adds to the shard's decoded streams."""
+        return self.count * self.gap_width + codes_size(self.count) + self.escapes * self.escape_width
 
     def document(self) -> dict[str, object]:
         """The entry's JSON object."""
         return {
             "count": self.count,
-            "deltas": [self.deltas.offset, self.deltas.length, self.escapes, self.escape_width],
-            "gaps": [self.gaps.offset, self.gaps.length, self.gap_width],
+            "escape_width": self.escape_width,
+            "escapes": self.escapes,
+            "gap_width": self.gap_width,
             "start": self.start,
             "stop": self.stop,
             "tensor": self.tensor,
         }
+
+
+def stream_sizes(entries: Sequence[EntryInfo]) -> tuple[list[int], int, list[int]]:
+    """Decoded sizes of a shard's streams: gap planes, codes, escape planes.
+
+    Gap plane ``j`` holds byte ``j`` of the gaps of every entry with ``gap_width > j``;
+    escape plane ``j`` likewise for escapes; the codes hold every entry's packed codes.
+    """
+    gaps = [0] * max((e.gap_width for e in entries), default=0)
+    escapes = [0] * max((e.escape_width for e in entries), default=0)
+    for e in entries:
+        for j in range(e.gap_width):
+            gaps[j] += e.count
+        for j in range(e.escape_width):
+            escapes[j] += e.escapes
+    return gaps, sum(codes_size(e.count) for e in entries), escapes
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,8 +204,13 @@ class ShardHeader:
     shard_count: int
     #: Every tensor with at least one entry in this shard, by name.
     tensors: Mapping[str, TensorInfo]
-    #: In payload order: by tensor name, then by start.
+    #: By tensor name, then by start: the order of their data in every stream.
     entries: tuple[EntryInfo, ...]
+    #: Gap planes 0, 1, ... (as many as the widest gap).
+    gap_streams: tuple[Stream, ...]
+    code_stream: Stream
+    #: Escape planes 0, 1, ... (as many as the widest escape).
+    escape_streams: tuple[Stream, ...]
 
     @property
     def payload_offset(self) -> int:
@@ -202,6 +225,35 @@ class ShardHeader:
     def changed(self) -> int:
         """Changed elements carried by this shard."""
         return sum(e.count for e in self.entries)
+
+    @property
+    def streams(self) -> tuple[Stream, ...]:
+        """Every stream, in payload order."""
+        return (*self.gap_streams, self.code_stream, *self.escape_streams)
+
+    def stored_bytes_by_tensor(self) -> dict[str, int]:
+        """The payload's bytes shared out among tensors, for display.
+
+        Streams mix all entries, so a tensor's share of each stream is taken in
+        proportion to the decoded bytes it put there; the shares add up to the payload.
+        """
+        out = dict.fromkeys(self.tensors, 0)
+        planes: list[tuple[Stream, list[int]]] = [
+            (s, [e.count if e.gap_width > j else 0 for e in self.entries]) for j, s in enumerate(self.gap_streams)
+        ]
+        planes.append((self.code_stream, [codes_size(e.count) for e in self.entries]))
+        planes += [
+            (s, [e.escapes if e.escape_width > j else 0 for e in self.entries])
+            for j, s in enumerate(self.escape_streams)
+        ]
+        for stream, parts in planes:
+            if stream.size == 0:
+                continue
+            shares = [stream.length * part // stream.size for part in parts]
+            shares[parts.index(max(parts))] += stream.length - sum(shares)
+            for e, share in zip(self.entries, shares, strict=True):
+                out[e.tensor] += share
+        return out
 
 
 def canonical_json(document: object) -> bytes:

@@ -34,9 +34,9 @@ def test_cuda_tensors_publish_the_same_bytes_as_cpu_tensors() -> None:
     gpu = Publisher(gpu_url, "run", keyframe_every=3)
     for step in range(7):
         if step:
-            for name, t in masters.items():
-                if t.is_floating_point():
-                    t += (1e-4 * torch.randn(t.shape)).to(t.dtype)
+            for tensor in masters.values():
+                if tensor.is_floating_point():
+                    tensor.add_((1e-4 * torch.randn(tensor.shape)).to(tensor.dtype))
         cpu.publish(masters)
         gpu.publish({n: t.cuda() for n, t in masters.items()})
     cpu.close()
