@@ -26,6 +26,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from bulletin.errors import FormatError, IncompatibleTensors, InvalidInput, NotFound
+from bulletin.fileio import fsync_dir, write_atomic
 from patcher.patch import TensorSpec
 
 __all__ = [
@@ -318,14 +319,6 @@ def safetensors_bytes(
     return b"".join(parts)
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_checkpoint(
     directory: str | os.PathLike[str],
     specs: Mapping[str, TensorSpec],
@@ -352,19 +345,10 @@ def write_checkpoint(
     written: list[Path] = []
     for file_name, shard in plan:
         header, _ = encode_safetensors_header(shard, {"format": "pt", **(metadata or {})})
-        written.append(_write_atomic(out / file_name, [header, *(_tensor_bytes(tensors[s.name], s) for s in shard)]))
+        written.append(
+            write_atomic(out / file_name, [header, *(_tensor_bytes(tensors[s.name], s) for s in shard)], sync_dir=False)
+        )
     if len(plan) > 1:
-        written.append(_write_atomic(out / INDEX_NAME, [hf_index(plan)]))
-    _fsync_dir(out)
+        written.append(write_atomic(out / INDEX_NAME, [hf_index(plan)], sync_dir=False))
+    fsync_dir(out)
     return written
-
-
-def _write_atomic(target: Path, parts: Iterable[bytes | memoryview]) -> Path:
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as fh:
-        for part in parts:
-            fh.write(part)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, target)
-    return target

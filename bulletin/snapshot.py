@@ -19,6 +19,7 @@ from numpy.typing import NDArray
 
 from bulletin.device_kept import DeviceChange, DeviceKept, on_gpu
 from bulletin.errors import InvalidInput, UnsupportedDtype
+from kernels.dispatch import dtype_name
 from patcher.cast import cast_bits
 from patcher.names import check_tensor_name
 from patcher.patch import TensorSpec
@@ -28,37 +29,6 @@ __all__ = ["SERVED_FLOAT_DTYPES", "Snapshot", "snapshot"]
 #: Dtypes a trainer may ask floating-point weights to be served in.
 SERVED_FLOAT_DTYPES: Final = ("BF16", "F16", "F32")
 
-_NUMPY_NAMES: Final[dict[str, str]] = {
-    "bool": "BOOL",
-    "uint8": "U8",
-    "int8": "I8",
-    "uint16": "U16",
-    "int16": "I16",
-    "float16": "F16",
-    "uint32": "U32",
-    "int32": "I32",
-    "float32": "F32",
-    "uint64": "U64",
-    "int64": "I64",
-    "float64": "F64",
-}
-_TORCH_NAMES: Final[dict[str, str]] = {
-    "torch.bool": "BOOL",
-    "torch.uint8": "U8",
-    "torch.int8": "I8",
-    "torch.float8_e4m3fn": "F8_E4M3",
-    "torch.float8_e5m2": "F8_E5M2",
-    "torch.uint16": "U16",
-    "torch.int16": "I16",
-    "torch.float16": "F16",
-    "torch.bfloat16": "BF16",
-    "torch.uint32": "U32",
-    "torch.int32": "I32",
-    "torch.float32": "F32",
-    "torch.uint64": "U64",
-    "torch.int64": "I64",
-    "torch.float64": "F64",
-}
 _FLOATS: Final = {"F16", "BF16", "F32", "F64"}
 
 
@@ -82,9 +52,7 @@ def _torch_bits(value: Any, served: str) -> tuple[str, NDArray[np.unsignedintege
     import torch
 
     t = value.detach()
-    name = _TORCH_NAMES.get(str(t.dtype))
-    if name is None:
-        raise UnsupportedDtype(f"torch dtype {t.dtype} cannot be served bit-exactly")
+    name = dtype_name(t)
     if name in _FLOATS and name != served:
         t = t.to(getattr(torch, {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}[served]))
         name = served
@@ -97,9 +65,7 @@ def _torch_bits(value: Any, served: str) -> tuple[str, NDArray[np.unsignedintege
 
 
 def _numpy_bits(value: NDArray[Any], served: str) -> tuple[str, NDArray[np.unsignedinteger]]:
-    name = _NUMPY_NAMES.get(value.dtype.name)
-    if name is None:
-        raise UnsupportedDtype(f"NumPy dtype {value.dtype} cannot be served bit-exactly")
+    name = dtype_name(value)
     array = np.ascontiguousarray(value)
     if name in _FLOATS and name != served:
         if name != "F32":

@@ -37,6 +37,7 @@ from bulletin.errors import (
     IncompatibleTensors,
     InvalidInput,
 )
+from bulletin.fileio import write_atomic
 from patcher.apply import apply as apply_patch
 from patcher.fingerprint import fingerprint, format_fingerprint, parse_fingerprint
 from patcher.patch import Patch, TensorSpec
@@ -115,20 +116,6 @@ class ArrayTarget:
 
     def activate(self, version: int) -> None:
         self.version = version
-
-
-def _write_json_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class LocalDirTarget:
@@ -282,7 +269,7 @@ class LocalDirTarget:
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, self.dir / self.UNDO)
-        _write_json_atomic(self.dir / self.JOURNAL, journal.model_dump_json().encode())
+        write_atomic(self.dir / self.JOURNAL, [journal.model_dump_json().encode()])
 
     def full_fingerprints(self) -> dict[str, int]:
         if self._pending is None and self._checkpoint is None:
@@ -305,7 +292,7 @@ class LocalDirTarget:
             updated_at=datetime.now(UTC),
         )
         # The commit point of the local copy: from here on the folder is `version`.
-        _write_json_atomic(self.dir / self.STATE, state.model_dump_json().encode())
+        write_atomic(self.dir / self.STATE, [state.model_dump_json().encode()])
         link_tmp = self.dir / f".{self.CURRENT}.tmp"
         link_tmp.unlink(missing_ok=True)
         link_tmp.symlink_to(model_dir)

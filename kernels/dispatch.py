@@ -24,7 +24,7 @@ from patcher.patch import Patch
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Backend", "as_bits", "backend_for", "dtype_name"]
+__all__ = ["DTYPE_NAMES", "Backend", "as_bits", "backend_for", "dtype_name"]
 
 
 class Backend(Protocol):
@@ -47,7 +47,7 @@ class Backend(Protocol):
 
 #: torch / NumPy / CuPy dtype name (``torch.`` prefix removed) -> safetensors name.
 #: NumPy's bfloat16 and float8 names are ml_dtypes' (the same as torch's).
-_DTYPE_NAMES: Final = {
+DTYPE_NAMES: Final = {
     "bool": "BOOL",
     "uint8": "U8",
     "int8": "I8",
@@ -117,7 +117,7 @@ def dtype_name(array: object) -> str:
         raise InvalidInput(f"not a tensor or array: {type(array).__name__}")
     name = str(array.dtype).removeprefix("torch.")  # type: ignore[attr-defined]
     try:
-        return _DTYPE_NAMES[name]
+        return DTYPE_NAMES[name]
     except KeyError:
         raise UnsupportedDtype(f"dtype {name} cannot be carried bit-exactly") from None
 

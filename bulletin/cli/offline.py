@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ import numpy as np
 from bulletin.checkpoint import Checkpoint, safetensors_bytes, write_checkpoint
 from bulletin.cli.output import emit, human_bytes, json_option
 from bulletin.errors import InvalidInput, WrongBase
+from bulletin.fileio import write_atomic
 from patcher.apply import apply as apply_patch
 from patcher.decode import decode, read_shard_header
 from patcher.diff import diff
@@ -30,23 +30,21 @@ __all__ = ["apply_command", "diff_command", "inspect_command", "patch_summary"]
 _ONE_SHARD = 1 << 62
 
 
-def _write_file_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
 def patch_summary(patch: Patch, data: bytes) -> dict[str, Any]:
     """Per-tensor and total figures of a one-shard patch, as ``inspect --json`` prints them.
 
-    A tensor's ``bytes`` are its compressed streams; the rest of the file is the header.
+    The streams of a shard are compressed together, across tensors, so a tensor's
+    ``bytes`` is its share of the compressed payload in proportion to its decoded
+    stream bytes; the totals are exact.
     """
-    stream_bytes: dict[str, int] = {}
-    for entry in read_shard_header(data).entries:
-        stream_bytes[entry.tensor] = stream_bytes.get(entry.tensor, 0) + entry.gaps.length + entry.deltas.length
+    header = read_shard_header(data)
+    decoded: dict[str, int] = {}
+    for entry in header.entries:
+        decoded[entry.tensor] = decoded.get(entry.tensor, 0) + entry.decoded_bytes
+    all_decoded = sum(decoded.values())
+    stream_bytes = {
+        name: round(header.payload_length * size / all_decoded) if all_decoded else 0 for name, size in decoded.items()
+    }
     encoded_bytes = len(data)
     tensors = [
         {
@@ -92,7 +90,7 @@ def diff_command(old: Path, new: Path, output: Path, codec: str, as_json: bool) 
         specs = a.specs
         patch = diff(specs, {n: a.bits(n) for n in specs}, {n: b.bits(n) for n in specs})
         (data,) = encode(patch, max_shard_bytes=_ONE_SHARD, codec=codec)
-    _write_file_atomic(output, data)
+    write_atomic(output, [data])
     summary = patch_summary(patch, data) | {"output": str(output), "seconds": time.perf_counter() - t0}
 
     def human() -> None:
@@ -137,7 +135,7 @@ def apply_command(base: Path, patch_file: Path, output: Path, as_json: bool) -> 
     new_fps = apply_patch(patch, arrays, fps)
     if output.suffix == ".safetensors":
         output.parent.mkdir(parents=True, exist_ok=True)
-        _write_file_atomic(output, safetensors_bytes([specs[n] for n in sorted(specs)], arrays, metadata))
+        write_atomic(output, [safetensors_bytes([specs[n] for n in sorted(specs)], arrays, metadata)])
         written = [output]
     else:
         written = write_checkpoint(output, specs, arrays, metadata=metadata)

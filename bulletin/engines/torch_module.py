@@ -42,6 +42,7 @@ from bulletin.errors import (
     VerificationFailed,
     WrongBase,
 )
+from kernels.dispatch import DTYPE_NAMES
 from patcher.fingerprint import fingerprint_delta, format_fingerprint
 from patcher.names import check_tensor_name
 from patcher.patch import Patch, TensorDelta, TensorSpec
@@ -63,23 +64,7 @@ Bits = NDArray[np.unsignedinteger]
 _MASK64: Final = (1 << 64) - 1
 
 #: ``str(torch.dtype)`` -> safetensors dtype name, for the dtypes Bulletin carries.
-TORCH_DTYPE_NAMES: Final[dict[str, str]] = {
-    "torch.bool": "BOOL",
-    "torch.uint8": "U8",
-    "torch.int8": "I8",
-    "torch.float8_e4m3fn": "F8_E4M3",
-    "torch.float8_e5m2": "F8_E5M2",
-    "torch.uint16": "U16",
-    "torch.int16": "I16",
-    "torch.float16": "F16",
-    "torch.bfloat16": "BF16",
-    "torch.uint32": "U32",
-    "torch.int32": "I32",
-    "torch.float32": "F32",
-    "torch.uint64": "U64",
-    "torch.int64": "I64",
-    "torch.float64": "F64",
-}
+TORCH_DTYPE_NAMES: Final[dict[str, str]] = {f"torch.{name}": st for name, st in DTYPE_NAMES.items()}
 
 
 def torch_dtype(dtype: str) -> torch.dtype:
