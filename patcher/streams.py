@@ -1,27 +1,30 @@
-"""The transforms of codec version 1 that turn an entry's changes into byte planes.
+"""The transforms of codec version 1: an entry's changes as bytes for the entropy coder.
 
 Gaps: the changed indices of an entry ``[start, stop)`` become gaps ``g[0] = i[0] -
-start + 1``, ``g[k] = i[k] - i[k-1]`` (all >= 1), split into ``w`` byte planes (plane
-``j`` holds byte ``j`` of every gap, little-endian), ``w`` the fewest bytes that hold
-the largest gap. Low planes are near-uniform, high planes nearly constant: kept apart
-(a shard concatenates each plane across its entries), the entropy coder sees
-homogeneous bytes. Decoding is a transpose and a cumulative sum, which is also how the
-GPU decodes them.
+start + 1``, ``g[k] = i[k] - i[k-1]`` (all >= 1), so ``i = start - 1 + cumsum(g)``.
+Each gap is split into its low byte ``g & 0xFF`` (near-uniform at the densities seen:
+stored as a plain byte plane) and its high part ``g >> 8`` (mostly 0..2: a small value).
 
 Deltas: each delta, read as a signed integer of the element width, is zig-zag mapped
-(``-1 -> 1``, ``+1 -> 2``, ``-2 -> 3``, ...; never 0 since deltas are nonzero). Values
-1..3 become 2-bit codes 0..2, packed four to a byte; code 3 is an escape whose value
-minus 4 follows in byte planes after the codes. One-step BF16 deltas are mostly +-1 ULP,
-about 1.7 bits of entropy: a byte per delta would leave the entropy coder a one-bit floor
-per symbol (Huffman), four per byte lets it get close to the entropy at any level.
+(``-1 -> 1``, ``+1 -> 2``, ``-2 -> 3``, ...; never 0 since deltas are nonzero) and
+``z - 1`` is a small value.
 
-Every ``unpack_*`` checks what it decodes (ranges, canonical widths, padding) and raises
-``FormatError``; none trusts its input.
+Small values ``v >= 0`` are written as 2-bit codes ``min(v, 3)``, four to a byte, and
+the values of code 3 ("escapes") as ``v - 3`` in byte planes (plane ``j`` holds byte
+``j``, little-endian, of every escape) of the smallest width that holds them. Both the
+high gap parts and the deltas have about 1.5 bits of entropy: a byte per value would
+leave Huffman coding a floor of one bit per value and invite unprofitable short matches
+at fast zstd levels, four codes per byte let it get close to the entropy at any level.
+
+Every decoder here checks what it decodes (ranges, canonical widths, padding, escape
+counts) and raises ``FormatError``; none trusts its input. A shard concatenates each of
+these byte strings across its entries (patcher.encode).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import cache
 from typing import Final
 
@@ -32,28 +35,49 @@ from bulletin.errors import FormatError
 from patcher.format import codes_size
 
 __all__ = [
+    "Buffer",
+    "EntryBytes",
     "byte_width",
-    "delta_parts",
-    "deltas_from_parts",
-    "gap_planes",
-    "gaps_from_planes",
-    "pack_deltas",
+    "decode_deltas",
+    "decode_gaps",
+    "encode_deltas",
+    "encode_gaps",
     "pack_gaps",
-    "unpack_deltas",
     "unpack_gaps",
 ]
 
 Buffer = bytes | memoryview
 
 _U64 = np.dtype("<u8")
-#: zig-zag values 1..3 have their own code; 3 is the escape.
+#: Small values 0..2 have their own 2-bit code; 3 is the escape.
 _ESCAPE: Final = 3
-_ESCAPE_BIAS: Final = 4
 
 
 def byte_width(max_value: int) -> int:
     """The fewest bytes (at least one) that hold ``max_value``."""
     return max(1, (int(max_value).bit_length() + 7) // 8)
+
+
+@dataclass(frozen=True, slots=True)
+class SmallValues:
+    """Small values as 2-bit codes and escape byte planes."""
+
+    codes: bytes
+    #: Plane ``j`` holds byte ``j`` of every escaped ``v - 3``; empty without escapes.
+    escapes: list[bytes]
+
+    @property
+    def escape_count(self) -> int:
+        return len(self.escapes[0]) if self.escapes else 0
+
+
+@dataclass(frozen=True, slots=True)
+class EntryBytes:
+    """What one kind of an entry's data (gaps or deltas) adds to a shard's streams."""
+
+    #: The gaps' low bytes; empty for deltas.
+    low: bytes
+    small: SmallValues
 
 
 def _to_planes(values: NDArray[np.unsignedinteger], width: int) -> list[bytes]:
@@ -73,30 +97,82 @@ def _from_planes(planes: Sequence[Buffer], count: int) -> NDArray[np.uint64]:
     return values
 
 
-def _check_top_plane(planes: Sequence[Buffer], count: int, what: str) -> None:
+def _pack_small(values: NDArray[np.unsignedinteger]) -> SmallValues:
+    codes = np.minimum(values, _ESCAPE).astype(np.uint8)
+    padded = np.zeros(codes_size(values.size) * 4, dtype=np.uint8)
+    padded[: values.size] = codes
+    quads = padded.reshape(-1, 4)
+    packed = quads[:, 0] | (quads[:, 1] << 2) | (quads[:, 2] << 4) | (quads[:, 3] << 6)
+    escaped = values[codes == _ESCAPE]
+    if escaped.size == 0:
+        return SmallValues(packed.tobytes(), [])
+    escaped -= escaped.dtype.type(_ESCAPE)
+    return SmallValues(packed.tobytes(), _to_planes(escaped, byte_width(int(escaped.max()))))
+
+
+@cache
+def _code_table() -> NDArray[np.uint8]:
+    """Packed byte -> its four 2-bit codes."""
+    table = (np.arange(256, dtype=np.uint8)[:, None] >> np.array([0, 2, 4, 6], dtype=np.uint8)) & np.uint8(3)
+    table.flags.writeable = False
+    return table
+
+
+def _unpack_codes(codes: Buffer, count: int, escapes: int, what: str) -> tuple[NDArray[np.uint8], NDArray[np.intp]]:
+    """The codes of ``count`` values and where the escapes are; checks padding and count."""
+    packed = np.frombuffer(codes, dtype=np.uint8, count=codes_size(count))
+    if count % 4 and int(packed[-1]) >> (2 * (count % 4)):
+        raise FormatError(f"{what}: nonzero padding after the last code")
+    unpacked = _code_table()[packed].reshape(-1)[:count]
+    escaped_at = np.flatnonzero(unpacked == _ESCAPE)
+    if escaped_at.size != escapes:
+        raise FormatError(f"{what}: the codes hold {escaped_at.size} escapes, {escapes} declared")
+    return unpacked, escaped_at
+
+
+def _unpack_escapes(planes: Sequence[Buffer], escapes: int, limit: int, what: str) -> NDArray[np.uint64]:
+    """Escaped values (``v``, not ``v - 3``), each at most ``limit``."""
     # Canonical widths: a wider field than needed would give the same values two encodings.
-    if len(planes) > 1 and not np.frombuffer(planes[-1], dtype=np.uint8, count=count).any():
-        raise FormatError(f"{what}: width {len(planes)} is not the smallest that holds the values")
+    if len(planes) > 1 and not np.frombuffer(planes[-1], dtype=np.uint8, count=escapes).any():
+        raise FormatError(f"{what}: escape width {len(planes)} is not the smallest that holds the values")
+    values = _from_planes(planes, escapes)
+    if int(values.max()) > limit - _ESCAPE:
+        raise FormatError(f"{what}: an escaped value past {limit}")
+    values += np.uint64(_ESCAPE)
+    return values
 
 
-def _split(raw: Buffer, count: int, width: int) -> list[memoryview]:
-    view = memoryview(raw)
-    return [view[j * count : (j + 1) * count] for j in range(width)]
+# -- gaps --------------------------------------------------------------------------------
 
 
-def gap_planes(indices: NDArray[np.int64], start: int) -> list[bytes]:
-    """Byte planes of the gaps of sorted unique ``indices`` (all >= ``start``, at least one)."""
+def encode_gaps(indices: NDArray[np.int64], start: int) -> EntryBytes:
+    """The gap bytes of sorted unique ``indices`` (at least one, all >= ``start``)."""
     gaps = np.empty(indices.size, dtype=np.int64)
     gaps[0] = indices[0] - (start - 1)
     np.subtract(indices[1:], indices[:-1], out=gaps[1:])
-    return _to_planes(gaps.view(np.uint64), byte_width(int(gaps.max())))
+    g = gaps.view(np.uint64)
+    return EntryBytes((g & np.uint64(0xFF)).astype(np.uint8).tobytes(), _pack_small(g >> np.uint64(8)))
 
 
-def gaps_from_planes(planes: Sequence[Buffer], count: int, start: int, stop: int, what: str) -> NDArray[np.int64]:
-    """Indices from the ``count``-byte gap planes of an entry; checks they are increasing and < ``stop``."""
-    _check_top_plane(planes, count, f"{what}: gaps")
-    gaps = _from_planes(planes, count)
+def decode_gaps(
+    low: Buffer,
+    codes: Buffer,
+    escape_planes: Sequence[Buffer],
+    count: int,
+    escapes: int,
+    start: int,
+    stop: int,
+    what: str,
+) -> NDArray[np.int64]:
+    """Indices of an entry from its gap bytes; checks they are increasing and < ``stop``."""
     span = stop - start
+    high, escaped_at = _unpack_codes(codes, count, escapes, f"{what}: gap codes")
+    gaps = high.astype(np.uint64)
+    if escapes:
+        # A high part above span >> 8 would make a gap past the range (or overflow).
+        gaps[escaped_at] = _unpack_escapes(escape_planes, escapes, span >> 8, f"{what}: gaps")
+    gaps <<= np.uint64(8)
+    gaps += np.frombuffer(low, dtype=np.uint8, count=count)
     if int(gaps.min()) < 1:
         raise FormatError(f"{what}: a gap of 0 (indices must be strictly increasing)")
     if int(gaps.max()) > span:
@@ -114,14 +190,26 @@ def gaps_from_planes(planes: Sequence[Buffer], count: int, start: int, stop: int
 
 
 def pack_gaps(indices: NDArray[np.int64], start: int) -> tuple[bytes, int]:
-    """The gap planes of an entry, concatenated; returns (bytes, width)."""
-    planes = gap_planes(indices, start)
-    return b"".join(planes), len(planes)
+    """An entry's gap bytes in one string (low bytes, codes, escape planes); returns it and
+    the escape width. For tests and tools; a shard keeps the three parts apart."""
+    parts = encode_gaps(indices, start)
+    return parts.low + parts.small.codes + b"".join(parts.small.escapes), len(parts.small.escapes)
 
 
 def unpack_gaps(raw: Buffer, count: int, width: int, start: int, stop: int, what: str) -> NDArray[np.int64]:
-    """Inverse of :func:`pack_gaps`, with the checks of :func:`gaps_from_planes`."""
-    return gaps_from_planes(_split(raw, count, width), count, start, stop, what)
+    """Inverse of :func:`pack_gaps` (``width``: the escape width), with every check."""
+    view = memoryview(raw)
+    n_codes = codes_size(count)
+    codes = view[count : count + n_codes]
+    escapes = int(np.count_nonzero(_code_table()[np.frombuffer(codes, dtype=np.uint8)].reshape(-1)[:count] == _ESCAPE))
+    tail = view[count + n_codes :]
+    if len(tail) != escapes * width:
+        raise FormatError(f"{what}: {len(tail)} escape bytes for {escapes} escapes of width {width}")
+    planes = [tail[j * escapes : (j + 1) * escapes] for j in range(width)]
+    return decode_gaps(view[:count], codes, planes, count, escapes, start, stop, what)
+
+
+# -- deltas ------------------------------------------------------------------------------
 
 
 def _zigzag(delta: NDArray[np.unsignedinteger]) -> NDArray[np.unsignedinteger]:
@@ -138,32 +226,23 @@ def _unzigzag(z: NDArray[np.unsignedinteger]) -> NDArray[np.unsignedinteger]:
 
 
 @cache
-def _code_table(dtype: np.dtype[np.unsignedinteger]) -> NDArray[np.unsignedinteger]:
+def _delta_table(dtype: np.dtype[np.unsignedinteger]) -> NDArray[np.unsignedinteger]:
     """Packed byte -> its four deltas; an escape decodes to 0, which no delta can be."""
-    codes = (np.arange(256, dtype=np.uint32)[:, None] >> np.array([0, 2, 4, 6], dtype=np.uint32)) & 3
-    table = _unzigzag((codes + 1).astype(dtype))
+    codes = _code_table()
+    table = _unzigzag((codes.astype(dtype) + dtype.type(1)).astype(dtype))
     table[codes == _ESCAPE] = 0
     table.flags.writeable = False
     return table
 
 
-def delta_parts(delta: NDArray[np.unsignedinteger]) -> tuple[bytes, list[bytes]]:
-    """The packed 2-bit codes of nonzero ``delta`` and the byte planes of its escapes."""
+def encode_deltas(delta: NDArray[np.unsignedinteger]) -> EntryBytes:
+    """The delta bytes of nonzero ``delta``: codes and escapes of ``zigzag(delta) - 1``."""
     z = _zigzag(delta)
-    codes = np.minimum(z, _ESCAPE + 1).astype(np.uint8)
-    codes -= 1
-    padded = np.zeros(codes_size(z.size) * 4, dtype=np.uint8)
-    padded[: z.size] = codes
-    quads = padded.reshape(-1, 4)
-    packed = quads[:, 0] | (quads[:, 1] << 2) | (quads[:, 2] << 4) | (quads[:, 3] << 6)
-    escaped = z[codes == _ESCAPE]
-    if escaped.size == 0:
-        return packed.tobytes(), []
-    escaped -= escaped.dtype.type(_ESCAPE_BIAS)
-    return packed.tobytes(), _to_planes(escaped, byte_width(int(escaped.max())))
+    z -= z.dtype.type(1)
+    return EntryBytes(b"", _pack_small(z))
 
 
-def deltas_from_parts(
+def decode_deltas(
     codes: Buffer,
     escape_planes: Sequence[Buffer],
     count: int,
@@ -171,39 +250,18 @@ def deltas_from_parts(
     dtype: np.dtype[np.unsignedinteger],
     what: str,
 ) -> NDArray[np.unsignedinteger]:
-    """Deltas from an entry's packed codes and escape planes; checks padding, escape count and range."""
+    """Deltas of an entry from its codes and escape planes; checks padding, escapes and range."""
     packed = np.frombuffer(codes, dtype=np.uint8, count=codes_size(count))
     if count % 4 and int(packed[-1]) >> (2 * (count % 4)):
-        raise FormatError(f"{what}: nonzero padding after the last delta code")
+        raise FormatError(f"{what}: delta codes: nonzero padding after the last code")
     # One table lookup per packed byte yields four finished deltas.
-    delta = _code_table(dtype)[packed].reshape(-1)[:count]
+    delta = _delta_table(dtype)[packed].reshape(-1)[:count]
     escaped_at = np.flatnonzero(delta == 0)
     if escaped_at.size != escapes:
-        raise FormatError(f"{what}: delta codes hold a different number of escapes than declared")
+        raise FormatError(f"{what}: delta codes: the codes hold {escaped_at.size} escapes, {escapes} declared")
     if escapes:
-        _check_top_plane(escape_planes, escapes, f"{what}: escapes")
-        values = _from_planes(escape_planes, escapes)
-        limit = (1 << (dtype.itemsize * 8)) - 1 - _ESCAPE_BIAS
-        if int(values.max()) > limit:
-            raise FormatError(f"{what}: an escaped delta outside the element width")
-        z = values.astype(dtype)
-        z += dtype.type(_ESCAPE_BIAS)
-        delta[escaped_at] = _unzigzag(z)
+        # z - 1 <= 2**bits - 2: a larger z would not fit the width, or wrap to a zero delta.
+        z = _unpack_escapes(escape_planes, escapes, (1 << (8 * dtype.itemsize)) - 2, f"{what}: deltas")
+        z += np.uint64(1)
+        delta[escaped_at] = _unzigzag(z.astype(dtype))
     return delta
-
-
-def pack_deltas(delta: NDArray[np.unsignedinteger]) -> tuple[bytes, int, int]:
-    """Codes then escape planes, concatenated; returns (bytes, escapes, escape width)."""
-    codes, planes = delta_parts(delta)
-    escapes = len(planes[0]) if planes else 0
-    return codes + b"".join(planes), escapes, len(planes)
-
-
-def unpack_deltas(
-    raw: Buffer, count: int, escapes: int, escape_width: int, dtype: np.dtype[np.unsignedinteger], what: str
-) -> NDArray[np.unsignedinteger]:
-    """Inverse of :func:`pack_deltas`, with the checks of :func:`deltas_from_parts`."""
-    n_codes = codes_size(count)
-    view = memoryview(raw)
-    planes = _split(view[n_codes:], escapes, escape_width)
-    return deltas_from_parts(view[:n_codes], planes, count, escapes, dtype, what)
