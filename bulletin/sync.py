@@ -104,7 +104,21 @@ def _walk_to_keyframe(board: Board, newest: StoredManifest, floor: int) -> list[
                 f"{board.run}: no keyframe at or below version {newest.version} is left in the bucket"
             )
         versions = list(range(max(floor, low - _WALK_BATCH + 1), low + 1))
-        older = board.read_manifests(versions)
+        try:
+            older = board.read_manifests(versions)
+        except VersionNotFound:
+            # Garbage collection removed the oldest ones: take what is left, newest first.
+            older = []
+            for version in reversed(versions):
+                try:
+                    older.insert(0, board.read_manifest(version))
+                except VersionNotFound:
+                    break
+            if not older:
+                raise VersionNotFound(
+                    f"{board.run}: no keyframe at or below version {newest.version} is left in the bucket"
+                ) from None
+            floor = older[0].version  # nothing below a missing version can be reached
         for stored in reversed(older):
             _check_link(stored, chain[0])
             chain.insert(0, stored)

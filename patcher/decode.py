@@ -40,25 +40,29 @@ from patcher.format import (
     HEADER_CRC_OFFSET,
     MAGIC,
     MAX_NUMEL,
+    STREAM_KINDS,
     DecodeLimits,
     EntryInfo,
     ShardHeader,
     Stream,
     TensorInfo,
     canonical_json,
-    codes_size,
     compute_patch_id,
+    entry_parts,
     stream_sizes,
 )
 from patcher.patch import Patch, TensorDelta, TensorSpec
-from patcher.streams import byte_width, deltas_from_parts, gaps_from_planes
+from patcher.streams import byte_width, decode_deltas, decode_gaps
 
 __all__ = ["DecodedEntry", "DecodedShard", "decode", "decode_shard", "read_shard_header"]
 
 _HEX: Final = frozenset("0123456789abcdef")
-_TOP_KEYS: Final = frozenset({"codes", "entries", "escapes", "gaps", "patch", "shard", "shards", "tensors"})
+_TOP_KEYS: Final = frozenset({"entries", "patch", "shard", "shards", "streams", "tensors"})
+_STREAM_KEYS: Final = frozenset(STREAM_KINDS)
 _TENSOR_KEYS: Final = frozenset({"base", "changed", "dtype", "shape", "target"})
-_ENTRY_KEYS: Final = frozenset({"count", "escape_width", "escapes", "gap_width", "start", "stop", "tensor"})
+_ENTRY_KEYS: Final = frozenset(
+    {"count", "delta_escape_width", "delta_escapes", "gap_escape_width", "gap_escapes", "start", "stop", "tensor"}
+)
 _U64_LIMIT: Final = 1 << 64
 
 
@@ -175,63 +179,61 @@ def _entry(value: object, tensors: dict[str, TensorInfo], newer: bool) -> EntryI
     if not isinstance(name, str) or name not in tensors:
         raise FormatError(f"entry names a tensor the shard does not describe: {name!r}"[:200])
     info = tensors[name]
-    numel, width = info.spec.numel, info.spec.width
+    numel = info.spec.numel
     start = _int(doc["start"], f"{name}: start", 0, numel)
     stop = _int(doc["stop"], f"{name}: stop", start, numel)
     if stop == start and numel != 0:
         raise FormatError(f"{name}: empty element range [{start}, {stop})")
     count = _int(doc["count"], f"{name}: count", 0, stop - start)
-    gap_width = _int(doc["gap_width"], f"{name}: gap_width", 0, 8)
-    escapes = _int(doc["escapes"], f"{name}: escapes", 0, count)
-    escape_width = _int(doc["escape_width"], f"{name}: escape_width", 0, width)
-    if count == 0:
-        if info.changed != 0 or start != 0 or stop != numel:
-            raise FormatError(f"{name}: an empty entry must cover a whole unchanged tensor")
-        if gap_width != 0:
-            raise FormatError(f"{name}: an empty entry must have no gaps")
-    elif not 1 <= gap_width <= byte_width(stop - start):
-        raise FormatError(f"{name}: gap width {gap_width} impossible for its range")
-    if (escapes == 0) != (escape_width == 0):
-        raise FormatError(f"{name}: bad escapes ({escapes} of width {escape_width})")
-    return EntryInfo(name, start, stop, count, gap_width, escapes, escape_width)
+    if count == 0 and (info.changed != 0 or start != 0 or stop != numel):
+        raise FormatError(f"{name}: an empty entry must cover a whole unchanged tensor")
+    escapes = []
+    for kind, most in (("gap", 8), ("delta", info.spec.width)):
+        n = _int(doc[f"{kind}_escapes"], f"{name}: {kind}_escapes", 0, count)
+        width = _int(doc[f"{kind}_escape_width"], f"{name}: {kind}_escape_width", 0, most)
+        if (n == 0) != (width == 0):
+            raise FormatError(f"{name}: {n} {kind} escapes of width {width}")
+        escapes += [n, width]
+    # A gap's high part is at most (stop - start) >> 8: escapes hold it minus 3.
+    most = (stop - start) >> 8
+    if escapes[0] and (most < 3 or escapes[1] > byte_width(most - 3)):
+        raise FormatError(f"{name}: gap escapes impossible for the range [{start}, {stop})")
+    return EntryInfo(name, start, stop, count, *escapes)
 
 
 def _streams(
     doc: dict[str, object], entries: list[EntryInfo], payload_length: int, limits: DecodeLimits
-) -> tuple[tuple[Stream, ...], Stream, tuple[Stream, ...]]:
+) -> dict[str, tuple[Stream, ...]]:
     """The payload's streams, checked to tile it and to promise no decompression bomb."""
-    gap_sizes, codes_size_, escape_sizes = stream_sizes(entries)
-    gaps_doc, escapes_doc = doc["gaps"], doc["escapes"]
-    if not isinstance(gaps_doc, list) or len(gaps_doc) != len(gap_sizes):
-        raise FormatError(f"gaps must list {len(gap_sizes)} streams, one per byte of the widest gap")
-    if not isinstance(escapes_doc, list) or len(escapes_doc) != len(escape_sizes):
-        raise FormatError(f"escapes must list {len(escape_sizes)} streams, one per byte of the widest escape")
-    docs = [*gaps_doc, doc["codes"], *escapes_doc]
-    sizes = [*gap_sizes, codes_size_, *escape_sizes]
-    streams: list[Stream] = []
+    refs = _object(doc["streams"], _STREAM_KEYS, False, "streams")
+    sizes = stream_sizes(entries)
+    out: dict[str, tuple[Stream, ...]] = {}
     offset = 0
-    for value, size in zip(docs, sizes, strict=True):
-        start, length = _ints(value, 2, "a stream")
-        if start != offset:
-            raise FormatError(f"streams do not tile the payload: one starts at {start}, expected {offset}")
-        if length > size or (length == 0) != (size == 0):
-            raise FormatError(f"a {length}-byte stream cannot hold {size} decoded bytes")
-        # Decompression bombs: a stream may not promise more than max_expansion per byte.
-        if size > length * limits.max_expansion:
-            raise FormatError(f"a stream declares {size} bytes from {length}")
-        streams.append(Stream(start, length, size))
-        offset += length
+    for kind in STREAM_KINDS:
+        listed = refs[kind] if kind.endswith("escapes") else [refs[kind]]
+        if not isinstance(listed, list) or len(listed) != len(sizes[kind]):
+            raise FormatError(f"streams.{kind} must list {len(sizes[kind])} streams, one per escape byte")
+        streams = []
+        for value, size in zip(listed, sizes[kind], strict=True):
+            start, length = _ints(value, 2, f"streams.{kind}")
+            if start != offset:
+                raise FormatError(f"streams do not tile the payload: {kind} starts at {start}, expected {offset}")
+            if length > size or (length == 0) != (size == 0):
+                raise FormatError(f"a {length}-byte {kind} stream cannot hold {size} decoded bytes")
+            # Decompression bombs: a stream may not promise more than max_expansion per byte.
+            if size > length * limits.max_expansion:
+                raise FormatError(f"the {kind} stream declares {size} bytes from {length}")
+            streams.append(Stream(start, length, size))
+            offset += length
+        out[kind] = tuple(streams)
     if offset != payload_length:
         raise FormatError(f"streams cover {offset} bytes of a {payload_length}-byte payload")
-    n = len(gap_sizes)
-    return tuple(streams[:n]), streams[n], tuple(streams[n + 1 :])
+    return out
 
 
 def _header(
     doc_value: object, newer: bool, payload_length: int, limits: DecodeLimits
-) -> tuple[
-    str, int, int, dict[str, TensorInfo], tuple[EntryInfo, ...], tuple[tuple[Stream, ...], Stream, tuple[Stream, ...]]
-]:
+) -> tuple[str, int, int, dict[str, TensorInfo], tuple[EntryInfo, ...], dict[str, tuple[Stream, ...]]]:
     doc = _object(doc_value, _TOP_KEYS, newer, "header")
     patch_id = doc["patch"]
     if not isinstance(patch_id, str) or len(patch_id) != 64 or not set(patch_id) <= _HEX:
@@ -306,10 +308,10 @@ def read_shard_header(data: bytes | bytearray | memoryview, *, limits: DecodeLim
     raw = memoryview(Decompressor(CODEC_NAMES[codec_id])(stored, j_len, "header"))
     doc = _parse_json(raw)
     newer = minor > FORMAT_MINOR
-    patch_id, index, count, tensors, entries, (gaps, codes, escapes) = _header(doc, newer, p_len, limits)
+    patch_id, index, count, tensors, entries, streams = _header(doc, newer, p_len, limits)
     return ShardHeader(
         major, minor, CODEC_NAMES[codec_id], h_len, j_len, p_len, h_crc, p_crc,
-        patch_id, index, count, tensors, entries, gaps, codes, escapes,
+        patch_id, index, count, tensors, entries, streams,
     )  # fmt: skip
 
 
@@ -321,37 +323,40 @@ def _decode_payload(view: memoryview, header: ShardHeader) -> tuple[DecodedEntry
     if zlib.crc32(payload) != header.payload_crc32:
         raise CorruptData(f"payload checksum mismatch in shard {header.shard_index}")
     decompress = Decompressor(header.codec)
+    data = {
+        kind: [
+            memoryview(decompress(payload[st.offset : st.end], st.size, f"{kind} stream {j}"))
+            for j, st in enumerate(streams)
+        ]
+        for kind, streams in header.streams.items()
+    }
+    # Each entry's bytes sit at running positions in every stream it contributes to.
+    pos = {kind: [0] * len(streams) for kind, streams in data.items()}
 
-    def load(stream: Stream, what: str) -> memoryview:
-        return memoryview(decompress(payload[stream.offset : stream.end], stream.size, what))
+    def take(kind: str, parts: list[int]) -> list[memoryview]:
+        out = []
+        for j, n in enumerate(parts):
+            out.append(data[kind][j][pos[kind][j] : pos[kind][j] + n])
+            pos[kind][j] += n
+        return out
 
-    gap_planes = [load(s, f"gap plane {j}") for j, s in enumerate(header.gap_streams)]
-    codes = load(header.code_stream, "delta codes")
-    escape_planes = [load(s, f"escape plane {j}") for j, s in enumerate(header.escape_streams)]
-    # Each entry's data sits at running positions in every stream it appears in.
-    gap_pos = [0] * len(gap_planes)
-    escape_pos = [0] * len(escape_planes)
-    code_pos = 0
-    out: list[DecodedEntry] = []
+    decoded: list[DecodedEntry] = []
     for e in header.entries:
         spec = header.tensors[e.tensor].spec
-        n = e.count
-        if n == 0:
-            out.append(DecodedEntry(e, np.empty(0, dtype=np.int64), np.empty(0, dtype=spec.bits_dtype)))
+        parts = entry_parts(e)
+        low, gap_codes, gap_escapes = (take(kind, parts[kind]) for kind in ("gap_low", "gap_codes", "gap_escapes"))
+        delta_codes, delta_escapes = (
+            take("delta_codes", parts["delta_codes"]),
+            take("delta_escapes", parts["delta_escapes"]),
+        )
+        if e.count == 0:
+            decoded.append(DecodedEntry(e, np.empty(0, dtype=np.int64), np.empty(0, dtype=spec.bits_dtype)))
             continue
         what = f"{e.tensor}[{e.start}:{e.stop}]"
-        planes = [gap_planes[j][gap_pos[j] : gap_pos[j] + n] for j in range(e.gap_width)]
-        indices = gaps_from_planes(planes, n, e.start, e.stop, what)
-        size = codes_size(n)
-        escaped = [escape_planes[j][escape_pos[j] : escape_pos[j] + e.escapes] for j in range(e.escape_width)]
-        delta = deltas_from_parts(codes[code_pos : code_pos + size], escaped, n, e.escapes, spec.bits_dtype, what)
-        for j in range(e.gap_width):
-            gap_pos[j] += n
-        for j in range(e.escape_width):
-            escape_pos[j] += e.escapes
-        code_pos += size
-        out.append(DecodedEntry(e, indices, delta))
-    return tuple(out)
+        indices = decode_gaps(low[0], gap_codes[0], gap_escapes, e.count, e.gap_escapes, e.start, e.stop, what)
+        delta = decode_deltas(delta_codes[0], delta_escapes, e.count, e.delta_escapes, spec.bits_dtype, what)
+        decoded.append(DecodedEntry(e, indices, delta))
+    return tuple(decoded)
 
 
 def decode_shard(data: bytes | bytearray | memoryview, *, limits: DecodeLimits = DEFAULT_LIMITS) -> DecodedShard:

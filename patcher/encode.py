@@ -2,9 +2,10 @@
 
 Tensors are laid out in name order; each tensor's element range ``[0, numel)`` is cut
 into entries of at most :data:`MAX_ENTRY_CHANGED` changes, and entries are packed into
-shards of at most ``max_shard_bytes``. Within a shard, each byte plane of the gaps, the
-delta codes and each byte plane of the escapes form one stream over all its entries, so
-the entropy coder sees long homogeneous runs (and one table each, not one per tensor).
+shards of at most ``max_shard_bytes``. Within a shard, each kind of bytes (gap low
+bytes, gap codes, delta codes, each byte plane of the escapes) forms one stream over all
+its entries, so the entropy coder sees long homogeneous runs, with one table each
+rather than one per tensor (about 0.1 byte per change less on a 100-tensor model).
 
 Packing estimates each entry's compressed size from the ratio the last shard achieved,
 compresses, and gives entries back (or cuts one) when a shard comes out too large. The
@@ -33,6 +34,7 @@ from patcher.format import (
     HEADER_CRC_OFFSET,
     MAGIC,
     MAX_NUMEL,
+    STREAM_KINDS,
     EntryInfo,
     TensorInfo,
     canonical_json,
@@ -40,7 +42,7 @@ from patcher.format import (
     tensor_document,
 )
 from patcher.patch import Patch, TensorDelta
-from patcher.streams import delta_parts, gap_planes
+from patcher.streams import EntryBytes, SmallValues, encode_deltas, encode_gaps
 
 __all__ = ["DEFAULT_MAX_SHARD_BYTES", "MAX_ENTRY_CHANGED", "encode"]
 
@@ -51,6 +53,8 @@ MAX_ENTRY_CHANGED: Final = 1 << 20
 #: Written in place of the shard index and count while checking a shard's size: 20
 #: digits hold any value below 2**64, so the real header is never longer.
 _WIDEST: Final = 10**19
+#: An entry's JSON, its name aside, at its longest (all seven integers at 20 digits).
+_ENTRY_JSON_BOUND: Final = len(canonical_json(EntryInfo("", *(7 * [_WIDEST])).document())) - 2 + 1
 #: First guess of compressed / raw stream bytes; then learnt from each shard built.
 _FIRST_RATIO: Final = 0.6
 
@@ -66,9 +70,18 @@ class _Piece:
     #: First change of the entry (index into ``delta.indices``).
     pos: int
     entry: EntryInfo
-    gaps: list[bytes]
-    codes: bytes
-    escapes: list[bytes]
+    gaps: EntryBytes
+    deltas: EntryBytes
+
+    def parts(self) -> dict[str, list[bytes]]:
+        """This entry's bytes for each stream of :data:`STREAM_KINDS`."""
+        return {
+            "gap_low": [self.gaps.low],
+            "gap_codes": [self.gaps.small.codes],
+            "gap_escapes": self.gaps.small.escapes,
+            "delta_codes": [self.deltas.small.codes],
+            "delta_escapes": self.deltas.small.escapes,
+        }
 
     @property
     def raw_bytes(self) -> int:
@@ -76,20 +89,23 @@ class _Piece:
 
     @property
     def json_bytes(self) -> int:
-        return len(canonical_json(self.entry.document())) + 1  # and a comma
+        # Every field but the name is an integer below 2**64: 20 digits at most.
+        return len(canonical_json(self.entry.tensor)) + _ENTRY_JSON_BOUND
 
 
 def _piece(info: TensorInfo, td: TensorDelta, pos: int, take: int, start: int) -> _Piece:
     """The entry holding changes ``pos .. pos + take - 1`` of ``td``, from element ``start``."""
     name, numel = info.spec.name, info.spec.numel
     if take == 0:  # an unchanged tensor: one empty entry
-        return _Piece(info, td, 0, EntryInfo(name, 0, numel, 0, 0, 0, 0), [], b"", [])
+        nothing = EntryBytes(b"", SmallValues(b"", []))
+        return _Piece(info, td, 0, EntryInfo(name, 0, numel, 0, 0, 0, 0, 0), nothing, nothing)
     end = pos + take
     stop = numel if end == td.changed else int(td.indices[end])
-    gaps = gap_planes(td.indices[pos:end], start)
-    codes, escapes = delta_parts(td.delta[pos:end])
-    entry = EntryInfo(name, start, stop, take, len(gaps), len(escapes[0]) if escapes else 0, len(escapes))
-    return _Piece(info, td, pos, entry, gaps, codes, escapes)
+    gaps = encode_gaps(td.indices[pos:end], start)
+    deltas = encode_deltas(td.delta[pos:end])
+    g, d = gaps.small, deltas.small
+    entry = EntryInfo(name, start, stop, take, g.escape_count, len(g.escapes), d.escape_count, len(d.escapes))
+    return _Piece(info, td, pos, entry, gaps, deltas)
 
 
 def _pieces(info: TensorInfo, td: TensorDelta) -> list[_Piece]:
@@ -116,44 +132,51 @@ class _Shard:
     """Entries and their compressed streams, sized with a worst-case header."""
 
     pieces: list[_Piece]
-    gaps: list[bytes]
-    codes: bytes
-    escapes: list[bytes]
+    #: Kind -> compressed streams, in payload order within the kind.
+    streams: dict[str, list[bytes]]
     bound: int
 
     @property
+    def payload(self) -> list[bytes]:
+        return [data for kind in STREAM_KINDS for data in self.streams[kind]]
+
+    @property
     def payload_bytes(self) -> int:
-        return sum(map(len, self.gaps)) + len(self.codes) + sum(map(len, self.escapes))
+        return sum(map(len, self.payload))
 
 
 def _document(shard: _Shard, patch_id: str, index: int, count: int) -> dict[str, object]:
-    streams: list[list[int]] = []
+    refs: dict[str, list[list[int]]] = {}
     offset = 0
-    for data in (*shard.gaps, shard.codes, *shard.escapes):
-        streams.append([offset, len(data)])
-        offset += len(data)
-    n_gaps = len(shard.gaps)
+    for kind in STREAM_KINDS:
+        refs[kind] = []
+        for data in shard.streams[kind]:
+            refs[kind].append([offset, len(data)])
+            offset += len(data)
     tensors = {p.info.spec.name: p.info for p in shard.pieces}
     return {
-        "codes": streams[n_gaps],
         "entries": [p.entry.document() for p in shard.pieces],
-        "escapes": streams[n_gaps + 1 :],
-        "gaps": streams[:n_gaps],
         "patch": patch_id,
         "shard": index,
         "shards": count,
+        # One stream each, or one per escape byte.
+        "streams": {k: v if k.endswith("escapes") else v[0] for k, v in refs.items()},
         "tensors": {name: tensor_document(info) for name, info in tensors.items()},
     }
 
 
 def _build(pieces: list[_Piece], compress: Compress) -> _Shard:
-    n_gaps = max((len(p.gaps) for p in pieces), default=0)
-    n_escapes = max((len(p.escapes) for p in pieces), default=0)
-    # Plane j of a stream concatenates plane j of every entry that has one, in order.
-    gaps = [compress(b"".join(p.gaps[j] for p in pieces if len(p.gaps) > j)) for j in range(n_gaps)]
-    codes = compress(b"".join(p.codes for p in pieces))
-    escapes = [compress(b"".join(p.escapes[j] for p in pieces if len(p.escapes) > j)) for j in range(n_escapes)]
-    shard = _Shard(pieces, gaps, codes, escapes, 0)
+    parts = [p.parts() for p in pieces]
+    streams: dict[str, list[bytes]] = {}
+    for kind in STREAM_KINDS:
+        planes = max((len(part[kind]) for part in parts), default=0)
+        if not kind.endswith("escapes"):
+            planes = 1  # present even when empty
+        # Stream j of a kind concatenates part j of every entry that has one, in order.
+        streams[kind] = [
+            compress(b"".join(part[kind][j] for part in parts if len(part[kind]) > j)) for j in range(planes)
+        ]
+    shard = _Shard(pieces, streams, 0)
     shard.bound = FIXED_HEADER_SIZE + len(canonical_json(_document(shard, "0" * 64, _WIDEST, _WIDEST)))
     shard.bound += shard.payload_bytes
     return shard
@@ -163,7 +186,7 @@ def _serialise(shard: _Shard, patch_id: str, index: int, count: int, codec: str,
     header_json = canonical_json(_document(shard, patch_id, index, count))
     # Names, keys and shapes repeat: the JSON shrinks ~5x, which matters for small models.
     header = compress(header_json)
-    payload = b"".join((*shard.gaps, shard.codes, *shard.escapes))
+    payload = b"".join(shard.payload)
     fixed = FIXED_HEADER.pack(
         MAGIC,
         FORMAT_MAJOR,
@@ -191,17 +214,20 @@ def _pack(pieces: Sequence[_Piece], max_shard_bytes: int, compress: Compress) ->
     ratio = _FIRST_RATIO
     base = _build([], compress).bound  # a shard's size with no entries
 
+    described: dict[str, int] = {}  # JSON bytes of each tensor's description
+
     def estimate(piece: _Piece, names: set[str]) -> int:
         name = piece.info.spec.name
-        described = 0 if name in names else len(canonical_json({name: tensor_document(piece.info)}))
-        return int(piece.raw_bytes * ratio) + piece.json_bytes + described
+        if name not in described:
+            described[name] = len(canonical_json({name: tensor_document(piece.info)}))
+        return int(piece.raw_bytes * ratio) + piece.json_bytes + (0 if name in names else described[name])
 
     while pending:
         take = [pending.popleft()]
         names = {take[0].info.spec.name}
         used = base + estimate(take[0], set())
-        while pending and used + estimate(pending[0], names) <= max_shard_bytes:
-            used += estimate(pending[0], names)
+        while pending and used + (more := estimate(pending[0], names)) <= max_shard_bytes:
+            used += more
             names.add(pending[0].info.spec.name)
             take.append(pending.popleft())
         while True:

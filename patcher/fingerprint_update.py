@@ -46,10 +46,7 @@ def fingerprint_change(
     n = int(indices.size)
     if n == 0:
         return 0
-    size = min(n, BLOCK)
-    key = np.empty(size, dtype=_U64)
-    other = np.empty(size, dtype=_U64)
-    tmp = np.empty(size, dtype=_U64)
+    key, other, tmp = np.empty((3, min(n, BLOCK)), dtype=_U64)
     total = 0
     for lo in range(0, n, BLOCK):
         hi = min(lo + BLOCK, n)

@@ -32,6 +32,7 @@ __all__ = [
     "FORMAT_MINOR",
     "MAGIC",
     "MAX_NUMEL",
+    "STREAM_KINDS",
     "DecodeLimits",
     "EntryInfo",
     "ShardHeader",
@@ -40,6 +41,7 @@ __all__ = [
     "canonical_json",
     "codes_size",
     "compute_patch_id",
+    "entry_parts",
     "stream_sizes",
     "tensor_document",
 ]
@@ -136,52 +138,74 @@ def codes_size(count: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class EntryInfo:
-    """One element range ``[start, stop)`` of a tensor: how many changes, at what widths."""
+    """One element range ``[start, stop)`` of a tensor: how many changes, how many escapes."""
 
     tensor: str
     start: int
     stop: int
     #: Changed elements in ``[start, stop)``.
     count: int
-    #: Bytes per gap (1..8); 0 for an empty entry.
-    gap_width: int
-    #: Elements whose zig-zag delta does not fit a 2-bit code.
-    escapes: int
-    #: Bytes per escape value (1..element width); 0 when there are none.
-    escape_width: int
+    #: Gaps whose high part ``g >> 8`` does not fit a 2-bit code, and their byte width.
+    gap_escapes: int
+    gap_escape_width: int
+    #: Deltas whose ``zigzag - 1`` does not fit a 2-bit code, and their byte width.
+    delta_escapes: int
+    delta_escape_width: int
 
     @property
     def decoded_bytes(self) -> int:
         """Bytes this entry adds to the shard's decoded streams."""
-        return self.count * self.gap_width + codes_size(self.count) + self.escapes * self.escape_width
+        return (
+            self.count
+            + 2 * codes_size(self.count)
+            + self.gap_escapes * self.gap_escape_width
+            + self.delta_escapes * self.delta_escape_width
+        )
 
     def document(self) -> dict[str, object]:
         """The entry's JSON object."""
         return {
             "count": self.count,
-            "escape_width": self.escape_width,
-            "escapes": self.escapes,
-            "gap_width": self.gap_width,
+            "delta_escape_width": self.delta_escape_width,
+            "delta_escapes": self.delta_escapes,
+            "gap_escape_width": self.gap_escape_width,
+            "gap_escapes": self.gap_escapes,
             "start": self.start,
             "stop": self.stop,
             "tensor": self.tensor,
         }
 
 
-def stream_sizes(entries: Sequence[EntryInfo]) -> tuple[list[int], int, list[int]]:
-    """Decoded sizes of a shard's streams: gap planes, codes, escape planes.
+#: The streams of a shard, in payload order; ``*_escapes`` hold one stream per byte.
+STREAM_KINDS: Final = ("gap_low", "gap_codes", "gap_escapes", "delta_codes", "delta_escapes")
 
-    Gap plane ``j`` holds byte ``j`` of the gaps of every entry with ``gap_width > j``;
-    escape plane ``j`` likewise for escapes; the codes hold every entry's packed codes.
+
+def entry_parts(entry: EntryInfo) -> dict[str, list[int]]:
+    """Decoded bytes ``entry`` puts in stream ``j`` of each kind, for the streams it reaches.
+
+    Escape stream ``j`` holds byte ``j`` of the escapes of every entry whose escape
+    width exceeds ``j``; the other kinds are one stream each.
     """
-    gaps = [0] * max((e.gap_width for e in entries), default=0)
-    escapes = [0] * max((e.escape_width for e in entries), default=0)
+    codes = codes_size(entry.count)
+    return {
+        "gap_low": [entry.count],
+        "gap_codes": [codes],
+        "gap_escapes": [entry.gap_escapes] * entry.gap_escape_width,
+        "delta_codes": [codes],
+        "delta_escapes": [entry.delta_escapes] * entry.delta_escape_width,
+    }
+
+
+def stream_sizes(entries: Sequence[EntryInfo]) -> dict[str, list[int]]:
+    """Decoded size of every stream of a shard holding ``entries``, by kind."""
+    sizes: dict[str, list[int]] = {kind: [] if kind.endswith("escapes") else [0] for kind in STREAM_KINDS}
     for e in entries:
-        for j in range(e.gap_width):
-            gaps[j] += e.count
-        for j in range(e.escape_width):
-            escapes[j] += e.escapes
-    return gaps, sum(codes_size(e.count) for e in entries), escapes
+        for kind, parts in entry_parts(e).items():
+            total = sizes[kind]
+            total.extend([0] * (len(parts) - len(total)))
+            for j, n in enumerate(parts):
+                total[j] += n
+    return sizes
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,11 +230,8 @@ class ShardHeader:
     tensors: Mapping[str, TensorInfo]
     #: By tensor name, then by start: the order of their data in every stream.
     entries: tuple[EntryInfo, ...]
-    #: Gap planes 0, 1, ... (as many as the widest gap).
-    gap_streams: tuple[Stream, ...]
-    code_stream: Stream
-    #: Escape planes 0, 1, ... (as many as the widest escape).
-    escape_streams: tuple[Stream, ...]
+    #: Kind (:data:`STREAM_KINDS`) -> its streams (one, or one per escape byte).
+    streams: Mapping[str, tuple[Stream, ...]]
 
     @property
     def payload_offset(self) -> int:
@@ -226,11 +247,6 @@ class ShardHeader:
         """Changed elements carried by this shard."""
         return sum(e.count for e in self.entries)
 
-    @property
-    def streams(self) -> tuple[Stream, ...]:
-        """Every stream, in payload order."""
-        return (*self.gap_streams, self.code_stream, *self.escape_streams)
-
     def stored_bytes_by_tensor(self) -> dict[str, int]:
         """The payload's bytes shared out among tensors, for display.
 
@@ -238,21 +254,20 @@ class ShardHeader:
         proportion to the decoded bytes it put there; the shares add up to the payload.
         """
         out = dict.fromkeys(self.tensors, 0)
-        planes: list[tuple[Stream, list[int]]] = [
-            (s, [e.count if e.gap_width > j else 0 for e in self.entries]) for j, s in enumerate(self.gap_streams)
-        ]
-        planes.append((self.code_stream, [codes_size(e.count) for e in self.entries]))
-        planes += [
-            (s, [e.escapes if e.escape_width > j else 0 for e in self.entries])
-            for j, s in enumerate(self.escape_streams)
-        ]
-        for stream, parts in planes:
-            if stream.size == 0:
-                continue
-            shares = [stream.length * part // stream.size for part in parts]
-            shares[parts.index(max(parts))] += stream.length - sum(shares)
-            for e, share in zip(self.entries, shares, strict=True):
-                out[e.tensor] += share
+        parts = [entry_parts(e) for e in self.entries]
+        for kind in STREAM_KINDS:
+            for j, stream in enumerate(self.streams[kind]):
+                if stream.size == 0:
+                    continue
+                given, largest, largest_part = 0, "", -1
+                for e, p in zip(self.entries, parts, strict=True):
+                    part = p[kind][j] if j < len(p[kind]) else 0
+                    share = stream.length * part // stream.size
+                    out[e.tensor] += share
+                    given += share
+                    if part > largest_part:
+                        largest, largest_part = e.tensor, part
+                out[largest] += stream.length - given  # the rounding, to the largest part
         return out
 
 

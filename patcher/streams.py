@@ -37,6 +37,7 @@ from patcher.format import codes_size
 __all__ = [
     "Buffer",
     "EntryBytes",
+    "SmallValues",
     "byte_width",
     "decode_deltas",
     "decode_gaps",

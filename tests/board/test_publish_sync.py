@@ -248,3 +248,22 @@ def test_a_corrupt_shard_is_detected_and_never_applied(tmp_path: Path) -> None:
     with Checkpoint(target.model_path) as ckpt:
         assert_bits_equal({n: ckpt.bits(n) for n in ckpt}, served[0])
     assert target.full_fingerprints() == {n: fingerprint(b) for n, b in served[0].items()}
+
+
+def test_resume_and_fresh_sync_after_garbage_collection(store_url: str) -> None:
+    from bulletin.maintenance import collect_garbage
+
+    trainer = ToyTrainer(seed=10)
+    with Publisher(store_url, "run", keyframe_every=3) as pub:
+        _publish(pub, trainer, 5)  # keyframes at 1 and 4
+    board = Board(open_store(store_url), "run")
+    assert collect_garbage(board, keep=1).floor == 4
+    assert board.versions() == [4, 5]
+    trainer.step()
+    with Publisher(store_url, "run", keyframe_every=3) as pub:  # walks back to keyframe 4 only
+        assert pub.publish(trainer.state) == 6
+    target = ArrayTarget()
+    assert Subscriber(store_url, "run", target=target).sync() == 6
+    assert_bits_equal(target.arrays, trainer.served())
+    with pytest.raises(VersionNotFound):
+        Subscriber(store_url, "run").sync(2)

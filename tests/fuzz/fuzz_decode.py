@@ -21,6 +21,7 @@ import random
 import sys
 import time
 import traceback
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,6 +41,10 @@ def _save(crashes: Path, shards: list[bytes], name: str, error: BaseException) -
     print(f"BUG in {name}: {type(error).__name__}: {error} (saved {stem})", file=sys.stderr)
 
 
+def _note(found: list[tuple[str, BaseException]], name: str, error: BaseException) -> None:
+    found.append((name, error))
+
+
 def run_random(seconds: float, seed: int, crashes: Path) -> int:
     """Mutate from ``random`` until ``seconds`` pass; returns the number of bugs."""
     from patcher.decode import decode
@@ -52,7 +57,7 @@ def run_random(seconds: float, seed: int, crashes: Path) -> int:
     while time.monotonic() < deadline:
         shards = mutate(rng, seeds)
         found: list[tuple[str, BaseException]] = []
-        check_decoders(shards, lambda name, e: found.append((name, e)))
+        check_decoders(shards, partial(_note, found))
         for name, e in found:
             _save(crashes, shards, name, e)
         bugs += len(found)
@@ -71,7 +76,7 @@ def run_random(seconds: float, seed: int, crashes: Path) -> int:
 
 
 def run_atheris(argv: list[str]) -> None:  # pragma: no cover - needs atheris
-    import atheris
+    import atheris  # type: ignore[import-untyped, unused-ignore]
 
     seeds = seed_shards()
 
@@ -97,7 +102,7 @@ def main() -> int:
     args, rest = parser.parse_known_args()
     if args.atheris:
         try:
-            import atheris  # noqa: F401
+            import atheris  # type: ignore[import-untyped, unused-ignore]  # noqa: F401
         except ImportError:
             print("atheris is not installed: falling back to the random mutation loop", file=sys.stderr)
         else:

@@ -14,6 +14,7 @@ import random
 import struct
 import zlib
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import zstandard
@@ -28,7 +29,26 @@ __all__ = ["REJECTIONS", "check_decoders", "mutate", "seal"]
 REJECTIONS = (CorruptData, UnsupportedDtype, InvalidTensorName)
 
 _TIGHT = DecodeLimits(max_header_bytes=1 << 14, max_entries=64, max_decoded_bytes=1 << 22, max_expansion=1 << 10)
-_INTERESTING = [0, 1, 2, 3, 4, 7, 8, 15, 16, 255, 256, 65535, 1 << 31, (1 << 32) - 1, 1 << 32, (1 << 63) - 1, 1 << 64, -1]
+_INTERESTING = [
+    0,
+    1,
+    2,
+    3,
+    4,
+    7,
+    8,
+    15,
+    16,
+    255,
+    256,
+    65535,
+    1 << 31,
+    (1 << 32) - 1,
+    1 << 32,
+    (1 << 63) - 1,
+    1 << 64,
+    -1,
+]
 
 
 def seal(data: bytes) -> bytes:
@@ -46,7 +66,11 @@ def seal(data: bytes) -> bytes:
 
 def _parts(data: bytes) -> tuple[bytearray, bytes, bytes]:
     h_len = struct.unpack_from("<I", data, 16)[0]
-    return bytearray(data[:FIXED_HEADER_SIZE]), data[FIXED_HEADER_SIZE : FIXED_HEADER_SIZE + h_len], data[FIXED_HEADER_SIZE + h_len :]
+    return (
+        bytearray(data[:FIXED_HEADER_SIZE]),
+        data[FIXED_HEADER_SIZE : FIXED_HEADER_SIZE + h_len],
+        data[FIXED_HEADER_SIZE + h_len :],
+    )
 
 
 def _json_text(data: bytes) -> bytes | None:
@@ -165,8 +189,8 @@ def mutate(rng: random.Random, seeds: Sequence[bytes]) -> list[bytes]:
         for _ in range(rng.randrange(1, 3)):
             doc = _mutate_doc(rng, doc)
         # Canonical JSON, or its ASCII-escaped twin; lone surrogates become invalid UTF-8.
-        text = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=rng.random() < 0.2)
-        return [_with_header(data, text.encode("utf-8", "surrogatepass"))]
+        dumped = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=rng.random() < 0.2)
+        return [_with_header(data, dumped.encode("utf-8", "surrogatepass"))]
     # Sets of shards: duplicates, strangers, a shard missing.
     other = rng.choice(seeds)
     return rng.choice([[data, data], [data, other], [other, data]])
@@ -179,8 +203,8 @@ def check_decoders(shards: list[bytes], on_bug: Callable[[str, BaseException], N
         ("decode/tight", lambda: decode(shards, limits=_TIGHT)),
     ]
     for i, data in enumerate(shards):
-        runs.append((f"read_shard_header[{i}]", lambda d=data: read_shard_header(d)))
-        runs.append((f"decode_shard[{i}]", lambda d=data: decode_shard(d)))
+        runs.append((f"read_shard_header[{i}]", partial(read_shard_header, data)))
+        runs.append((f"decode_shard[{i}]", partial(decode_shard, data)))
     for name, run in runs:
         try:
             result = run()
