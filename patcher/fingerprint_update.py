@@ -18,8 +18,8 @@ from patcher.fingerprint import K_INDEX, M1, M2
 
 __all__ = ["fingerprint_change"]
 
-#: Elements per block: three uint64 buffers of 64 KiB each.
-BLOCK: Final = 1 << 13
+#: Elements per block: three uint64 buffers of 256 KiB each (fastest of 8 Ki..128 Ki, measured).
+BLOCK: Final = 1 << 15
 _U64 = np.uint64
 _MASK64: Final = (1 << 64) - 1
 

@@ -1,0 +1,52 @@
+"""Documents written by every format version stay readable (committed golden files).
+
+``tests/golden/documents/v1`` holds manifests (a keyframe, a patch, a keyframe with a
+patch) and a head written by a real publish with spec_version 1. They are never
+regenerated: a reader that stops accepting them, or a writer that would serialise the
+same document differently, fails here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bulletin.chain import parse_head, parse_manifest, sha256_hex
+from bulletin.errors import FormatError, UnsupportedFormatVersion
+
+GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "documents"
+
+
+def test_v1_manifests_chain_and_round_trip_byte_for_byte() -> None:
+    raw = [(GOLDEN / "v1" / f"manifest-{v}.json").read_bytes() for v in (1, 2, 3)]
+    manifests = [parse_manifest(data) for data in raw]
+    assert [m.version for m in manifests] == [1, 2, 3]
+    assert manifests[0].keyframe is not None and manifests[0].patch is None
+    assert manifests[1].patch is not None and manifests[1].keyframe is None
+    assert manifests[2].patch is not None and manifests[2].keyframe is not None
+    assert manifests[1].parent_digest == sha256_hex(raw[0])
+    assert manifests[2].parent_digest == sha256_hex(raw[1])
+    assert manifests[2].metadata == {"step": "102"}
+    for manifest, data in zip(manifests, raw, strict=True):
+        assert manifest.model_dump_json().encode() == data
+
+
+def test_v1_head_points_at_the_newest_manifest() -> None:
+    data = (GOLDEN / "v1" / "head.json").read_bytes()
+    head = parse_head(data)
+    assert head.version == 3
+    assert head.manifest_digest == sha256_hex((GOLDEN / "v1" / "manifest-3.json").read_bytes())
+    assert head.model_dump_json().encode() == data
+
+
+def test_unknown_versions_and_other_documents_are_refused() -> None:
+    data = (GOLDEN / "v1" / "manifest-1.json").read_bytes()
+    with pytest.raises(UnsupportedFormatVersion):
+        parse_manifest(data.replace(b'"spec_version":1', b'"spec_version":2'))
+    with pytest.raises(FormatError):
+        parse_manifest((GOLDEN / "v1" / "head.json").read_bytes())
+    with pytest.raises(FormatError):
+        parse_manifest(data[:-10])
+    with pytest.raises(FormatError):
+        parse_manifest(data.replace(b'"version":1', b'"version":-1'))
