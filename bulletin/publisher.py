@@ -39,9 +39,9 @@ from bulletin.snapshot import SERVED_FLOAT_DTYPES, Snapshot, snapshot
 from bulletin.storage import Store, open_store
 from bulletin.sync import execute, manifest_fingerprints, manifest_specs, plan
 from bulletin.target import ArrayTarget
-from patcher.diff import diff_bits
+from patcher.diff import diff
 from patcher.encode import encode
-from patcher.fingerprint import fingerprint, fingerprint_delta, format_fingerprint
+from patcher.fingerprint import fingerprint, format_fingerprint
 from patcher.patch import Patch, TensorDelta, TensorSpec
 from schemas.manifest import KeyframeRef, ManifestV1, ObjectRef, PatchRef, TensorEntry, VersionStats
 
@@ -306,21 +306,22 @@ class Publisher:
         return result
 
     def _diff(self, kept: _Kept, snap: Snapshot) -> Patch:
-        deltas = {}
-        for name, spec in snap.specs.items():
+        """The patch from the kept version to ``snap``: host tensors diffed here (the
+        codec's chunked diff, target fingerprints in O(changed)), GPU tensors as their
+        device already found."""
+        host = {name: spec for name, spec in snap.specs.items() if name not in snap.changes}
+        patch = diff(
+            host,
+            {name: snap.old_bits[name] if name in snap.old_bits else kept.bits[name] for name in host},
+            {name: snap.bits[name] for name in host},
+            base_fingerprints={name: kept.fingerprints[name] for name in host},
+        )
+        deltas = dict(patch.tensors)
+        for name, change in snap.changes.items():
             base = kept.fingerprints[name]
-            change = snap.changes.get(name)
-            if change is not None:
-                target = (base + change.fingerprint_delta) & (2**64 - 1)
-                deltas[name] = TensorDelta(spec, change.indices, change.delta, base, target)
-                continue
-            old = snap.old_bits[name] if name in snap.old_bits else kept.bits[name]
-            new = snap.bits[name]
-            indices, delta = diff_bits(old, new)
-            flat_old, flat_new = old.reshape(-1), new.reshape(-1)
-            target = (base + fingerprint_delta(indices, flat_old[indices], flat_new[indices])) & (2**64 - 1)
-            deltas[name] = TensorDelta(spec, indices, delta, base, target)
-        return Patch(deltas)
+            target = (base + change.fingerprint_delta) & (2**64 - 1)
+            deltas[name] = TensorDelta(snap.specs[name], change.indices, change.delta, base, target)
+        return Patch({name: deltas[name] for name in sorted(deltas)})
 
     def _upload_patch(self, version: int, patch: Patch) -> PatchRef:
         shards = encode(patch, max_shard_bytes=self.max_shard_bytes, codec=self.codec)
