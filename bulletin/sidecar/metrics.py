@@ -88,28 +88,17 @@ class _Metric:
 _M = TypeVar("_M", bound=_Metric)
 
 
-class Counter(_Metric):
-    """A value that only goes up (resets only with the process)."""
-
-    kind = "counter"
+class _Scalar(_Metric):
+    """A metric with one number per label set (counters and gauges)."""
 
     def __init__(self, name: str, help_text: str, labels: Sequence[str] = ()) -> None:
         super().__init__(name, help_text, labels)
         self._values: dict[tuple[str, ...], float] = {}
-        if not self.label_names:
-            self._values[()] = 0.0
 
-    def inc(self, amount: float = 1.0, *labels: str) -> None:
-        """Add ``amount`` (>= 0) to the series named by ``labels``."""
-        if amount < 0:
-            raise InvalidInput(f"{self.name}: a counter cannot decrease")
+    def _add(self, amount: float, labels: Sequence[str]) -> None:
         key = self._key(labels)
         with self._lock:
             self._values[key] = self._values.get(key, 0.0) + amount
-
-    def value(self, *labels: str) -> float:
-        with self._lock:
-            return self._values.get(self._key(labels), 0.0)
 
     def render(self) -> list[str]:
         with self._lock:
@@ -119,14 +108,31 @@ class Counter(_Metric):
         return lines
 
 
-class Gauge(_Metric):
-    """A value that goes up and down; unset series are not exposed (absent, not zero)."""
+class Counter(_Scalar):
+    """A value that only goes up (resets only with the process)."""
 
-    kind = "gauge"
+    kind = "counter"
 
     def __init__(self, name: str, help_text: str, labels: Sequence[str] = ()) -> None:
         super().__init__(name, help_text, labels)
-        self._values: dict[tuple[str, ...], float] = {}
+        if not self.label_names:
+            self._values[()] = 0.0
+
+    def inc(self, amount: float = 1.0, *labels: str) -> None:
+        """Add ``amount`` (>= 0) to the series named by ``labels``."""
+        if amount < 0:
+            raise InvalidInput(f"{self.name}: a counter cannot decrease")
+        self._add(amount, labels)
+
+    def value(self, *labels: str) -> float:
+        with self._lock:
+            return self._values.get(self._key(labels), 0.0)
+
+
+class Gauge(_Scalar):
+    """A value that goes up and down; unset series are not exposed (absent, not zero)."""
+
+    kind = "gauge"
 
     def set(self, value: float, *labels: str) -> None:
         key = self._key(labels)
@@ -134,9 +140,7 @@ class Gauge(_Metric):
             self._values[key] = float(value)
 
     def add(self, amount: float, *labels: str) -> None:
-        key = self._key(labels)
-        with self._lock:
-            self._values[key] = self._values.get(key, 0.0) + amount
+        self._add(amount, labels)
 
     def clear(self, *labels: str) -> None:
         """Stop exposing the series (for example the head before it is first read)."""
@@ -147,13 +151,6 @@ class Gauge(_Metric):
     def value(self, *labels: str) -> float | None:
         with self._lock:
             return self._values.get(self._key(labels))
-
-    def render(self) -> list[str]:
-        with self._lock:
-            items = sorted(self._values.items())
-        lines = self._header()
-        lines += [f"{self.name}{_labels_text(self.label_names, k)} {_format_value(v)}" for k, v in items]
-        return lines
 
 
 class Histogram(_Metric):
