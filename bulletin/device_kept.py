@@ -17,11 +17,10 @@ import numpy as np
 from numpy.typing import NDArray
 
 from kernels.dispatch import as_bits, backend_for, dtype_name
+from patcher.dtypes import FLOAT_DTYPES
 from patcher.patch import TensorSpec
 
 __all__ = ["DeviceChange", "DeviceKept", "on_gpu"]
-
-_FLOATS = {"F16", "BF16", "F32", "F64"}
 
 
 def on_gpu(value: object) -> bool:
@@ -58,7 +57,7 @@ class DeviceKept:
     def spec(self, name: str, value: Any) -> tuple[TensorSpec, str]:
         """The served spec of ``value`` and the dtype its bits are read as."""
         source = dtype_name(value)
-        served = self.served_dtype if source in _FLOATS else source
+        served = self.served_dtype if source in FLOAT_DTYPES else source
         return TensorSpec(name, served, tuple(int(d) for d in value.shape)), source
 
     def _current(self, value: Any) -> Any:

@@ -18,9 +18,11 @@ import numpy as np
 from numpy.typing import NDArray
 
 from bulletin.device_kept import DeviceChange, DeviceKept, on_gpu
+from bulletin.engines.torch_module import torch_dtype
 from bulletin.errors import InvalidInput, UnsupportedDtype
-from kernels.dispatch import dtype_name
+from kernels.dispatch import as_bits, dtype_name
 from patcher.cast import cast_bits
+from patcher.dtypes import FLOAT_DTYPES
 from patcher.names import check_tensor_name
 from patcher.patch import TensorSpec
 
@@ -28,8 +30,6 @@ __all__ = ["SERVED_FLOAT_DTYPES", "Snapshot", "snapshot"]
 
 #: Dtypes a trainer may ask floating-point weights to be served in.
 SERVED_FLOAT_DTYPES: Final = ("BF16", "F16", "F32")
-
-_FLOATS: Final = {"F16", "BF16", "F32", "F64"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,30 +49,24 @@ class Snapshot:
 
 
 def _torch_bits(value: Any, served: str) -> tuple[str, NDArray[np.unsignedinteger]]:
-    import torch
-
     t = value.detach()
     name = dtype_name(t)
-    if name in _FLOATS and name != served:
-        t = t.to(getattr(torch, {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}[served]))
+    if name in FLOAT_DTYPES and name != served:
+        t = t.to(torch_dtype(served))  # torch's own rounding, on the tensor's device
         name = served
-    t = t.contiguous()
-    width = t.element_size()
-    unsigned = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}[width]
-    host = t.view(unsigned).cpu() if t.dim() else t.reshape(1).view(unsigned).cpu().reshape(())
-    # `.numpy()` shares memory with `host`; copy so the trainer cannot change what we hold.
-    return name, np.array(host.numpy(), copy=True)
+    host = as_bits(t.contiguous().cpu())
+    # The view shares memory with the tensor; copy so the trainer cannot change what we hold.
+    return name, np.array(host, copy=True)
 
 
 def _numpy_bits(value: NDArray[Any], served: str) -> tuple[str, NDArray[np.unsignedinteger]]:
     name = dtype_name(value)
     array = np.ascontiguousarray(value)
-    if name in _FLOATS and name != served:
+    if name in FLOAT_DTYPES and name != served:
         if name != "F32":
             raise UnsupportedDtype(f"NumPy {value.dtype} arrays cannot be cast to {served}: pass float32")
         return served, cast_bits(array.view(np.uint32), "F32", served)
-    width = array.dtype.itemsize
-    return name, array.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[width]).copy()
+    return name, np.array(as_bits(array), copy=True)
 
 
 def _storage_key(value: Any) -> tuple[Any, ...] | None:

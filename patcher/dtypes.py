@@ -13,7 +13,7 @@ import numpy as np
 
 from bulletin.errors import UnsupportedDtype
 
-__all__ = ["BITS_DTYPES", "DTYPE_WIDTHS", "bits_dtype", "dtype_width"]
+__all__ = ["BITS_DTYPES", "DTYPE_WIDTHS", "FLOAT_DTYPES", "bits_dtype", "dtype_width"]
 
 #: safetensors dtype name -> element width in bytes.
 DTYPE_WIDTHS: Final[dict[str, int]] = {
@@ -33,6 +33,9 @@ DTYPE_WIDTHS: Final[dict[str, int]] = {
     "I64": 8,
     "F64": 8,
 }
+
+#: Floating-point dtypes a trainer's weights are cast from to the served dtype.
+FLOAT_DTYPES: Final = frozenset({"F16", "BF16", "F32", "F64"})
 
 #: element width in bytes -> the unsigned NumPy dtype that holds its bits.
 BITS_DTYPES: Final[dict[int, np.dtype[np.unsignedinteger]]] = {

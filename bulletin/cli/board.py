@@ -16,6 +16,7 @@ import click
 
 from bulletin.chain import Board
 from bulletin.cli.output import emit, human_bytes, json_option, progress_enabled
+from bulletin.errors import InvalidInput
 from bulletin.maintenance import collect_garbage, log, verify
 from bulletin.publisher import Publisher
 from bulletin.storage import open_store
@@ -100,8 +101,6 @@ def publish_command(
     as_json: bool,
 ) -> None:
     """Publish a safetensors checkpoint (file or directory) as the run's next version."""
-    from bulletin.errors import InvalidInput
-
     metadata = {}
     for item in meta:
         key, sep, value = item.partition("=")

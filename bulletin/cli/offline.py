@@ -16,7 +16,7 @@ import numpy as np
 
 from bulletin.checkpoint import Checkpoint, safetensors_bytes, write_checkpoint
 from bulletin.cli.output import emit, human_bytes, json_option
-from bulletin.errors import InvalidInput, WrongBase
+from bulletin.errors import IncompatibleTensors, InvalidInput, WrongBase
 from bulletin.fileio import write_atomic
 from patcher.apply import apply as apply_patch
 from patcher.decode import decode, read_shard_header
@@ -82,8 +82,6 @@ def diff_command(old: Path, new: Path, output: Path, codec: str, as_json: bool) 
     t0 = time.perf_counter()
     with Checkpoint(old) as a, Checkpoint(new) as b:
         if a.specs != b.specs:
-            from bulletin.errors import IncompatibleTensors
-
             raise IncompatibleTensors(
                 f"{old} and {new} do not hold the same tensors (names, dtypes and shapes must match)"
             )
