@@ -27,10 +27,11 @@ from bulletin.errors import (
     VersionNotFound,
     WrongBase,
 )
-from bulletin.target import WeightTarget
-from patcher.decode import decode
+from bulletin.target import ShardTarget, WeightTarget
+from patcher.decode import decode, shard_views
 from patcher.fingerprint import fingerprint, format_fingerprint, parse_fingerprint
 from patcher.fold import fold
+from patcher.format import DEFAULT_LIMITS, TensorInfo
 from patcher.patch import Patch, TensorSpec
 from schemas.manifest import ManifestV1
 
@@ -182,15 +183,23 @@ def _keyframe_tensors(
     return out, sum(len(b) for b in blobs)
 
 
+def _check_transition(stored: StoredManifest, parent_fps: Mapping[str, int], infos: Mapping[str, TensorInfo]) -> None:
+    """The patch's tensors are the manifest's layout, from the parent's fingerprints to its own."""
+    manifest = stored.manifest
+    specs = manifest_specs(manifest)
+    if {name: info.spec for name, info in infos.items()} != specs:
+        raise CorruptData(f"version {stored.version}: the patch's tensors are not the manifest's")
+    target_fps = manifest_fingerprints(manifest)
+    for name, info in infos.items():
+        if info.base_fingerprint != parent_fps.get(name) or info.target_fingerprint != target_fps[name]:
+            raise CorruptData(f"version {stored.version}: patch of {name!r} does not match the manifests' fingerprints")
+
+
 def _transition(stored: StoredManifest, parent_fps: Mapping[str, int], shards: Sequence[bytes]) -> Patch:
     patch = decode(shards)
-    manifest = stored.manifest
-    patch.check_layout(manifest_specs(manifest))
-    target_fps = manifest_fingerprints(manifest)
-    for td in patch:
-        name = td.spec.name
-        if td.base_fingerprint != parent_fps.get(name) or td.target_fingerprint != target_fps[name]:
-            raise CorruptData(f"version {stored.version}: patch of {name!r} does not match the manifests' fingerprints")
+    patch.check_layout(manifest_specs(stored.manifest))
+    infos = {td.spec.name: TensorInfo(td.spec, td.base_fingerprint, td.target_fingerprint, td.changed) for td in patch}
+    _check_transition(stored, parent_fps, infos)
     return patch
 
 
@@ -199,6 +208,23 @@ def _abort(target: WeightTarget) -> None:
     abort = getattr(target, "abort", None)
     if callable(abort):
         abort()
+
+
+def _apply_and_activate(target: WeightTarget, stored: StoredManifest, apply: Callable[[], dict[str, int]]) -> None:
+    """Apply, check the result against the manifest, activate; put the target back on failure."""
+    try:
+        new_fps = apply()
+        expected = manifest_fingerprints(stored.manifest)
+        if new_fps != expected:
+            bad = sorted(n for n in expected if new_fps.get(n) != expected[n])[:3]
+            raise WrongBase(
+                f"version {stored.version}: bits after apply do not match the manifest "
+                f"({', '.join(bad)}; got {[format_fingerprint(new_fps.get(n, 0)) for n in bad]})"
+            )
+        target.activate(stored.version)
+    except BaseException:
+        _abort(target)
+        raise
 
 
 def execute(
@@ -247,34 +273,37 @@ def execute(
     report.download_s += time.perf_counter() - t0
     report.bytes_downloaded += sum(len(b) for b in blobs)
     t1 = time.perf_counter()
-    patches: list[Patch] = []
-    position = 0
-    parent_fps = current.fingerprints
+    held_fps = current.fingerprints
+    counts: list[int] = []  # shards of each transition
     for step in sync_plan.patches:
         if step.manifest.patch is None:
             raise InvalidInput(f"version {step.version} has no patch")
-        count = len(step.manifest.patch.shards)
-        patches.append(_transition(step, parent_fps, blobs[position : position + count]))
-        position += count
-        parent_fps = manifest_fingerprints(step.manifest)
-    folded = fold(patches) if len(patches) > 1 else patches[0]
-    report.decode_s = time.perf_counter() - t1
-    report.transitions = len(patches)
-    report.changed_elements = folded.changed_elements
-    t2 = time.perf_counter()
-    try:
-        new_fps = target.apply(folded, current.fingerprints)
-        expected = manifest_fingerprints(sync_plan.target.manifest)
-        if new_fps != expected:
-            bad = sorted(n for n in expected if new_fps.get(n) != expected[n])[:3]
-            raise WrongBase(
-                f"version {sync_plan.target.version}: bits after apply do not match the manifest "
-                f"({', '.join(bad)}; got {[format_fingerprint(new_fps.get(n, 0)) for n in bad]})"
-            )
-        target.activate(sync_plan.target.version)
-    except BaseException:
-        _abort(target)
-        raise
+        counts.append(len(step.manifest.patch.shards))
+    if len(sync_plan.patches) == 1 and isinstance(target, ShardTarget):
+        # One version behind (the steady state): the target applies straight from the
+        # shards once their headers agree with the manifests (patcher.apply_shards).
+        step = sync_plan.patches[0]
+        infos = shard_views(blobs, DEFAULT_LIMITS)[2]
+        _check_transition(step, held_fps, infos)
+        report.decode_s = time.perf_counter() - t1
+        report.transitions = 1
+        report.changed_elements = sum(info.changed for info in infos.values())
+        t2 = time.perf_counter()
+        _apply_and_activate(target, sync_plan.target, lambda: target.apply_shards(blobs, held_fps))
+    else:
+        patches: list[Patch] = []
+        position = 0
+        parent_fps = current.fingerprints
+        for step, count in zip(sync_plan.patches, counts, strict=True):
+            patches.append(_transition(step, parent_fps, blobs[position : position + count]))
+            position += count
+            parent_fps = manifest_fingerprints(step.manifest)
+        folded = fold(patches) if len(patches) > 1 else patches[0]
+        report.decode_s = time.perf_counter() - t1
+        report.transitions = len(patches)
+        report.changed_elements = folded.changed_elements
+        t2 = time.perf_counter()
+        _apply_and_activate(target, sync_plan.target, lambda: target.apply(folded, held_fps))
     report.apply_s += time.perf_counter() - t2
     if on_activate is not None:
         on_activate(sync_plan.target)

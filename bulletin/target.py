@@ -21,7 +21,7 @@ import json
 import os
 import secrets
 import shutil
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -39,6 +39,7 @@ from bulletin.errors import (
 )
 from bulletin.fileio import write_atomic
 from patcher.apply import apply as apply_patch
+from patcher.apply_shards import apply_shards
 from patcher.fingerprint import fingerprint, format_fingerprint, parse_fingerprint
 from patcher.patch import Patch, TensorSpec
 from schemas.local_state import JournalV1, LocalStateV1
@@ -86,6 +87,16 @@ def _check_full(tensors: Mapping[str, Bits], specs: Mapping[str, TensorSpec]) ->
             raise IncompatibleTensors(f"{name}: expected {spec.numel} x {spec.bits_dtype}")
 
 
+@runtime_checkable
+class ShardTarget(WeightTarget, Protocol):
+    """A target that can also apply a patch straight from its shards, without decoding it
+    first; sync uses it when the target is one version behind."""
+
+    def apply_shards(self, shards: Sequence[bytes], fingerprints: Mapping[str, int]) -> dict[str, int]:
+        """As :meth:`WeightTarget.apply` for the patch that ``shards`` encode."""
+        ...
+
+
 class ArrayTarget:
     """Bits held in host memory (NumPy): the publisher's resume path, verify, tests."""
 
@@ -110,6 +121,11 @@ class ArrayTarget:
             raise InvalidInput("nothing is held yet: load a keyframe first")
         patch.check_layout(self.specs)
         return apply_patch(patch, self.arrays, fingerprints)
+
+    def apply_shards(self, shards: Sequence[bytes], fingerprints: Mapping[str, int]) -> dict[str, int]:
+        if self.specs is None:
+            raise InvalidInput("nothing is held yet: load a keyframe first")
+        return apply_shards(shards, self.arrays, fingerprints, specs=self.specs)
 
     def full_fingerprints(self) -> dict[str, int]:
         return {name: fingerprint(bits) for name, bits in self.arrays.items()}

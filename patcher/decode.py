@@ -54,7 +54,17 @@ from patcher.format import (
 from patcher.patch import Patch, TensorDelta, TensorSpec
 from patcher.streams import byte_width, decode_deltas, decode_gaps
 
-__all__ = ["DecodedEntry", "DecodedShard", "decode", "decode_shard", "read_shard_header"]
+__all__ = [
+    "DecodedEntry",
+    "DecodedShard",
+    "EntryStreams",
+    "check_shard_set",
+    "decode",
+    "decode_shard",
+    "entry_streams",
+    "read_shard_header",
+    "shard_views",
+]
 
 _HEX: Final = frozenset("0123456789abcdef")
 _TOP_KEYS: Final = frozenset({"entries", "patch", "shard", "shards", "streams", "tensors"})
@@ -315,7 +325,30 @@ def read_shard_header(data: bytes | bytearray | memoryview, *, limits: DecodeLim
     )  # fmt: skip
 
 
-def _decode_payload(view: memoryview, header: ShardHeader) -> tuple[DecodedEntry, ...]:
+@dataclass(frozen=True, slots=True)
+class EntryStreams:
+    """One entry's slices of its shard's decompressed streams (patcher.streams decodes them)."""
+
+    info: EntryInfo
+    spec: TensorSpec
+    low: memoryview
+    gap_codes: memoryview
+    gap_escapes: list[memoryview]
+    delta_codes: memoryview
+    delta_escapes: list[memoryview]
+
+    @property
+    def what(self) -> str:
+        """How errors name the entry."""
+        return f"{self.info.tensor}[{self.info.start}:{self.info.stop}]"
+
+
+def entry_streams(view: memoryview, header: ShardHeader) -> list[EntryStreams]:
+    """Every entry's stream slices of a shard whose ``header`` was read from ``view``.
+
+    Checks the shard's size and payload checksum, then decompresses every stream (each to
+    its declared size); raises ``FormatError`` / ``CorruptData``.
+    """
     if len(view) != header.size:
         kind = "truncated" if len(view) < header.size else "trailing bytes"
         raise FormatError(f"{kind}: shard is {len(view)} bytes, its header says {header.size}")
@@ -340,21 +373,36 @@ def _decode_payload(view: memoryview, header: ShardHeader) -> tuple[DecodedEntry
             pos[kind][j] += n
         return out
 
-    decoded: list[DecodedEntry] = []
+    out: list[EntryStreams] = []
     for e in header.entries:
-        spec = header.tensors[e.tensor].spec
         parts = entry_parts(e)
-        low, gap_codes, gap_escapes = (take(kind, parts[kind]) for kind in ("gap_low", "gap_codes", "gap_escapes"))
-        delta_codes, delta_escapes = (
-            take("delta_codes", parts["delta_codes"]),
-            take("delta_escapes", parts["delta_escapes"]),
-        )
+        low, gap_codes, gap_escapes, delta_codes, delta_escapes = (take(kind, parts[kind]) for kind in STREAM_KINDS)
+        spec = header.tensors[e.tensor].spec
+        out.append(EntryStreams(e, spec, low[0], gap_codes[0], gap_escapes, delta_codes[0], delta_escapes))
+    return out
+
+
+def _decode_payload(view: memoryview, header: ShardHeader) -> tuple[DecodedEntry, ...]:
+    streams = entry_streams(view, header)
+    # One allocation each for all the entries' indices and deltas: fewer, larger
+    # allocations fault in fewer pages than one per entry.
+    index_arena = np.empty(sum(e.count for e in header.entries), dtype=np.int64)
+    delta_at = [0]
+    for es in streams:
+        delta_at.append(delta_at[-1] + -(-es.info.count * es.spec.width // 8) * 8)
+    delta_arena = np.empty(delta_at[-1], dtype=np.uint8)
+    decoded: list[DecodedEntry] = []
+    first = 0
+    for es, at in zip(streams, delta_at, strict=False):
+        e, spec = es.info, es.spec
         if e.count == 0:
             decoded.append(DecodedEntry(e, np.empty(0, dtype=np.int64), np.empty(0, dtype=spec.bits_dtype)))
             continue
-        what = f"{e.tensor}[{e.start}:{e.stop}]"
-        indices = decode_gaps(low[0], gap_codes[0], gap_escapes, e.count, e.gap_escapes, e.start, e.stop, what)
-        delta = decode_deltas(delta_codes[0], delta_escapes, e.count, e.delta_escapes, spec.bits_dtype, what)
+        indices = index_arena[first : first + e.count]
+        delta = delta_arena[at : at + e.count * spec.width].view(spec.bits_dtype)
+        first += e.count
+        decode_gaps(es.low, es.gap_codes, es.gap_escapes, e.count, e.gap_escapes, e.start, e.stop, es.what, out=indices)
+        decode_deltas(es.delta_codes, es.delta_escapes, e.count, e.delta_escapes, spec.bits_dtype, es.what, out=delta)
         decoded.append(DecodedEntry(e, indices, delta))
     return tuple(decoded)
 
@@ -366,7 +414,7 @@ def decode_shard(data: bytes | bytearray | memoryview, *, limits: DecodeLimits =
     return DecodedShard(header, _decode_payload(view, header))
 
 
-def _check_set(headers: list[ShardHeader]) -> dict[str, TensorInfo]:
+def check_shard_set(headers: Sequence[ShardHeader]) -> dict[str, TensorInfo]:
     """Everything checkable from headers: one patch, shard i of n, exact coverage."""
     first = headers[0]
     if any(h.patch_id != first.patch_id for h in headers):
@@ -398,11 +446,11 @@ def _check_set(headers: list[ShardHeader]) -> dict[str, TensorInfo]:
     return tensors
 
 
-def decode(shards: Sequence[bytes | bytearray | memoryview], *, limits: DecodeLimits = DEFAULT_LIMITS) -> Patch:
-    """The patch that ``shards`` (every shard of it, in any order) encode.
-
-    Checks that the shards form one complete patch before decompressing anything.
-    """
+def shard_views(
+    shards: Sequence[bytes | bytearray | memoryview], limits: DecodeLimits
+) -> tuple[list[memoryview], list[ShardHeader], dict[str, TensorInfo]]:
+    """Views of ``shards``, their headers, and the tensors of the one complete patch they
+    form (:func:`check_shard_set`); reads no payload."""
     if isinstance(shards, bytes | bytearray | memoryview) or not isinstance(shards, Sequence):
         raise InvalidInput("decode takes a sequence of shards (a list of bytes)")
     if not shards:
@@ -411,7 +459,15 @@ def decode(shards: Sequence[bytes | bytearray | memoryview], *, limits: DecodeLi
         raise FormatError(f"{len(shards)} shards exceed the cap of {limits.max_shards}")
     views = [_view(s) for s in shards]
     headers = [read_shard_header(v, limits=limits) for v in views]
-    tensors = _check_set(headers)
+    return views, headers, check_shard_set(headers)
+
+
+def decode(shards: Sequence[bytes | bytearray | memoryview], *, limits: DecodeLimits = DEFAULT_LIMITS) -> Patch:
+    """The patch that ``shards`` (every shard of it, in any order) encode.
+
+    Checks that the shards form one complete patch before decompressing anything.
+    """
+    views, headers, tensors = shard_views(shards, limits)
     parts: dict[str, list[DecodedEntry]] = {name: [] for name in tensors}
     for view, header in zip(views, headers, strict=True):
         for entry in _decode_payload(view, header):

@@ -1,8 +1,10 @@
-"""Bit-level diff of two versions of a set of tensors (the NumPy path).
+"""Bit-level diff of two versions of a set of tensors.
 
-The comparison runs over fixed-size chunks into one reused mask buffer, so the only
-allocations that grow with the tensor are the outputs, which grow with the number of
-*changed* elements (a few per mille of a one-step transition).
+Two forms with the same results: the compiled one (patcher.native) compares 64-byte
+blocks and handles only the blocks that differ, fingerprinting the changes as it finds
+them; the NumPy one compares fixed-size chunks into one reused mask buffer. Either way
+the only allocations that grow with the tensor are the outputs, which grow with the
+number of *changed* elements (a few per mille of a one-step transition).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from bulletin.errors import IncompatibleTensors, InvalidInput
+from patcher import native
 from patcher.fingerprint import fingerprint
 from patcher.fingerprint_update import fingerprint_change
 from patcher.patch import Patch, TensorDelta, TensorSpec
@@ -24,7 +27,13 @@ __all__ = ["CHUNK_WORDS", "as_bits", "diff", "diff_bits"]
 #: input chunks stay in L2. Measured fastest among 64 Ki .. 1 Mi words.
 CHUNK_WORDS: Final = 1 << 18
 
+_MASK64: Final = (1 << 64) - 1
 _EMPTY_INDICES: Final = np.empty(0, dtype=np.int64)
+#: Outputs of the compiled diff are first sized for this share of the elements (1/256,
+#: above a one-step transition's few per mille), then grown from the density seen.
+_FIRST_CAPACITY_SHIFT: Final = 8
+#: Outputs smaller than this are not worth a second call.
+_MIN_CAPACITY: Final = 1 << 12
 
 
 def as_bits(array: object, spec: TensorSpec, role: str) -> NDArray[np.unsignedinteger]:
@@ -123,10 +132,46 @@ def _changes_range(a: NDArray[np.unsignedinteger], b: NDArray[np.unsignedinteger
     return _concat(parts, dtype)
 
 
-def _changes(old: NDArray[np.unsignedinteger], new: NDArray[np.unsignedinteger]) -> _Changes:
-    """Changed flat indices, old bits there, and wrapping deltas; inputs already checked."""
+def _trimmed(array: NDArray[Any], count: int) -> NDArray[Any]:
+    # A slice keeps its whole buffer alive: copy when most of it would be wasted.
+    return array[:count] if 2 * count >= array.size else array[:count].copy()
+
+
+def _native_changes(a: NDArray[np.unsignedinteger], b: NDArray[np.unsignedinteger]) -> tuple[_Changes, int]:
+    """The compiled diff of flat ``a`` -> ``b``, and its fingerprint change."""
+    n, width, dtype = int(a.size), a.dtype.itemsize, a.dtype
+    parts: list[_Changes] = []
+    pos, found, fp = 0, 0, 0
+    capacity = max(_MIN_CAPACITY, n >> _FIRST_CAPACITY_SHIFT)
+    while True:
+        capacity = min(capacity, max(n - pos, _MIN_CAPACITY))
+        idx = np.empty(capacity, dtype=np.int64)
+        was, delta = np.empty(capacity, dtype=dtype), np.empty(capacity, dtype=dtype)
+        count, pos, change = native.speedups.diff(a, b, width, pos, idx, was, delta)
+        fp += change
+        found += count
+        if count:
+            parts.append((_trimmed(idx, count), _trimmed(was, count), _trimmed(delta, count)))
+        if pos >= n:
+            break
+        # The outputs filled up: size the next ones for the density seen so far.
+        capacity = max(_MIN_CAPACITY, int(found / pos * (n - pos) * 1.1))
+    return _concat(parts, dtype), fp & _MASK64
+
+
+def _changes(
+    old: NDArray[np.unsignedinteger], new: NDArray[np.unsignedinteger], *, fingerprinted: bool = True
+) -> tuple[_Changes, int]:
+    """Changed flat indices, old bits there, and wrapping deltas, with the fingerprint
+    change (0 unless ``fingerprinted``); inputs already checked."""
     a, b = old.reshape(-1), new.reshape(-1)
-    return _changes_range(a, b, 0, a.size)
+    if native.active():
+        return _native_changes(a, b)
+    found = _changes_range(a, b, 0, a.size)
+    if not fingerprinted:
+        return found, 0
+    indices, was, delta = found
+    return found, fingerprint_change(indices, was, was + delta)
 
 
 def diff_bits(
@@ -139,7 +184,7 @@ def diff_bits(
     temporaries.
     """
     _check_pair(old, new)
-    indices, _, delta = _changes(old, new)
+    (indices, _, delta), _ = _changes(old, new, fingerprinted=False)
     return indices, delta
 
 
@@ -184,8 +229,8 @@ def diff(
     out: dict[str, TensorDelta] = {}
     for name in sorted(specs):
         a, b = pairs[name]
-        indices, was, delta = _changes(a, b)
+        (indices, _, delta), change = _changes(a, b)
         base = fingerprint(a) if base_fingerprints is None else base_fingerprints[name]
-        target = (base + fingerprint_change(indices, was, was + delta)) & 0xFFFFFFFFFFFFFFFF
+        target = (base + change) & _MASK64
         out[name] = TensorDelta(specs[name], indices, delta, base, target)
     return Patch(out)

@@ -14,8 +14,9 @@ element always changes the fingerprint; several wrong elements cancel only by a
 2**-64 accident. It is an integrity check against bugs, crashes and wrong bases,
 not against an adversary: shard and keyframe bytes are covered by SHA-256.
 
-The exact definition is normative (docs/FORMAT.md) and the CUDA kernels compute it
-bit for bit (kernels/fingerprint.cu).
+The exact definition is normative (docs/FORMAT.md); this NumPy form defines it, and the
+compiled fast path (patcher.native) and the CUDA kernels (kernels/fingerprint.cu)
+compute it bit for bit.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from typing import Final
 
 import numpy as np
 from numpy.typing import NDArray
+
+from patcher import native
 
 __all__ = [
     "CHUNK_ELEMENTS",
@@ -65,6 +68,8 @@ def _sum64(h: NDArray[np.uint64]) -> int:
 
 def fingerprint(bits: NDArray[np.unsignedinteger]) -> int:
     """Full fingerprint of a tensor's bits (any shape, C order), as an int in [0, 2**64)."""
+    if native.active() and bits.flags.c_contiguous and bits.dtype.kind == "u" and bits.dtype.isnative:
+        return native.speedups.fingerprint(bits, bits.dtype.itemsize, 0)
     flat = bits.reshape(-1)
     total = 0
     for start in range(0, flat.size, CHUNK_ELEMENTS):

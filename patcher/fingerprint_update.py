@@ -4,7 +4,8 @@ Computes exactly :func:`patcher.fingerprint.fingerprint_delta` (the normative
 definition; a test holds the two equal), about twice as fast: ``i * K_INDEX`` is
 computed once for the old and the new bits, and the splitmix64 finaliser runs in place
 over blocks that stay in L1/L2 instead of allocating a full-size temporary per step.
-Diff and apply call it once per changed element, so it is on both hot paths.
+Diff and apply call it once per changed element, so it is on both hot paths; where the
+compiled fast path is built (patcher.native) it runs there.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Final
 import numpy as np
 from numpy.typing import NDArray
 
+from patcher import native
 from patcher.fingerprint import K_INDEX, M1, M2
 
 __all__ = ["fingerprint_change"]
@@ -46,6 +48,16 @@ def fingerprint_change(
     n = int(indices.size)
     if n == 0:
         return 0
+    if (
+        native.active()
+        and indices.dtype == np.int64
+        and old.dtype == new.dtype
+        and old.dtype.kind == "u"
+        and old.dtype.isnative
+        and old.size == new.size == n
+        and all(a.flags.c_contiguous for a in (indices, old, new))
+    ):
+        return native.speedups.fingerprint_change(indices, old, new, old.dtype.itemsize)
     key, other, tmp = np.empty((3, min(n, BLOCK)), dtype=_U64)
     total = 0
     for lo in range(0, n, BLOCK):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Final
 
 from bulletin.errors import InvalidTensorName
@@ -9,6 +10,7 @@ from bulletin.errors import InvalidTensorName
 __all__ = ["MAX_NAME_BYTES", "check_tensor_name"]
 
 MAX_NAME_BYTES: Final = 1024
+_CONTROL: Final = re.compile("[\x00-\x1f\x7f]")
 
 
 def check_tensor_name(name: object) -> str:
@@ -26,7 +28,7 @@ def check_tensor_name(name: object) -> str:
         raise InvalidTensorName(f"tensor name must not contain a path separator: {name!r}")
     if name in {".", ".."} or name.startswith("..") or name.startswith("__"):
         raise InvalidTensorName(f"tensor name is reserved or path-like: {name!r}")
-    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in name):
+    if _CONTROL.search(name):
         raise InvalidTensorName(f"tensor name contains a control character: {name!r}")
     try:
         name.encode("utf-8")

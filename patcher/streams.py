@@ -19,6 +19,11 @@ at fast zstd levels, four codes per byte let it get close to the entropy at any 
 Every decoder here checks what it decodes (ranges, canonical widths, padding, escape
 counts) and raises ``FormatError``; none trusts its input. A shard concatenates each of
 these byte strings across its entries (patcher.encode).
+
+The NumPy code below defines every transform; where the compiled fast path is built
+(patcher.native), its loops do the per-value work and the escapes (a few percent of the
+values) still go through NumPy. A compiled decoder only says *that* its input is bad:
+the NumPy decoder (``*_numpy``) is then run on it to say what is wrong, in its words.
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ from typing import Final
 import numpy as np
 from numpy.typing import NDArray
 
-from bulletin.errors import FormatError
+from bulletin.errors import FormatError, InvalidInput
+from patcher import native
 from patcher.format import codes_size
 
 __all__ = [
@@ -40,9 +46,13 @@ __all__ = [
     "SmallValues",
     "byte_width",
     "decode_deltas",
+    "decode_deltas_numpy",
     "decode_gaps",
+    "decode_gaps_numpy",
     "encode_deltas",
     "encode_gaps",
+    "escape_values",
+    "join_planes",
     "pack_gaps",
     "unpack_gaps",
 ]
@@ -98,6 +108,13 @@ def _from_planes(planes: Sequence[Buffer], count: int) -> NDArray[np.uint64]:
     return values
 
 
+def _small_values(codes: NDArray[np.uint8], escaped: NDArray[np.uint64]) -> SmallValues:
+    """Packed codes and the escaped ``v - 3`` as they come from the compiled coders."""
+    if escaped.size == 0:
+        return SmallValues(codes.tobytes(), [])
+    return SmallValues(codes.tobytes(), _to_planes(escaped, byte_width(int(escaped.max()))))
+
+
 def _pack_small(values: NDArray[np.unsignedinteger]) -> SmallValues:
     codes = np.minimum(values, _ESCAPE).astype(np.uint8)
     padded = np.zeros(codes_size(values.size) * 4, dtype=np.uint8)
@@ -131,8 +148,16 @@ def _unpack_codes(codes: Buffer, count: int, escapes: int, what: str) -> tuple[N
     return unpacked, escaped_at
 
 
-def _unpack_escapes(planes: Sequence[Buffer], escapes: int, limit: int, what: str) -> NDArray[np.uint64]:
-    """Escaped values (``v``, not ``v - 3``), each at most ``limit``."""
+def join_planes(planes: Sequence[Buffer]) -> Buffer:
+    """Escape byte planes as one buffer, plane after plane (what the compiled path reads)."""
+    if len(planes) == 1:
+        return planes[0]
+    return b"".join(planes)
+
+
+def escape_values(planes: Sequence[Buffer], escapes: int, limit: int, what: str) -> NDArray[np.uint64]:
+    """Escaped values (``v``, not ``v - 3``) from their byte planes, each at most ``limit``;
+    checks the planes' width is canonical."""
     # Canonical widths: a wider field than needed would give the same values two encodings.
     if len(planes) > 1 and not np.frombuffer(planes[-1], dtype=np.uint8, count=escapes).any():
         raise FormatError(f"{what}: escape width {len(planes)} is not the smallest that holds the values")
@@ -148,6 +173,12 @@ def _unpack_escapes(planes: Sequence[Buffer], escapes: int, limit: int, what: st
 
 def encode_gaps(indices: NDArray[np.int64], start: int) -> EntryBytes:
     """The gap bytes of sorted unique ``indices`` (at least one, all >= ``start``)."""
+    if native.active() and indices.dtype == np.int64 and indices.flags.c_contiguous:
+        n = indices.size
+        low, codes = np.empty(n, dtype=np.uint8), np.empty(codes_size(n), dtype=np.uint8)
+        escaped = np.empty(n, dtype=np.uint64)
+        count = native.speedups.encode_gaps(indices, start, low, codes, escaped)
+        return EntryBytes(low.tobytes(), _small_values(codes, escaped[:count]))
     gaps = np.empty(indices.size, dtype=np.int64)
     gaps[0] = indices[0] - (start - 1)
     np.subtract(indices[1:], indices[:-1], out=gaps[1:])
@@ -164,14 +195,48 @@ def decode_gaps(
     start: int,
     stop: int,
     what: str,
+    *,
+    out: NDArray[np.int64] | None = None,
 ) -> NDArray[np.int64]:
-    """Indices of an entry from its gap bytes; checks they are increasing and < ``stop``."""
+    """Indices of an entry from its gap bytes; checks they are increasing and < ``stop``.
+
+    ``out``, if given, is a C-contiguous int64 array of ``count`` elements to decode into
+    (and is returned).
+    """
+    if out is not None and (out.dtype != np.int64 or out.shape != (count,) or not out.flags.c_contiguous):
+        raise InvalidInput(f"out must be a C-contiguous int64 array of {count} elements")
+    if not native.active() or len(low) != count or len(codes) != codes_size(count):
+        indices = decode_gaps_numpy(low, codes, escape_planes, count, escapes, start, stop, what)
+        if out is None:
+            return indices
+        out[...] = indices
+        return out
+    if out is None:
+        out = np.empty(count, dtype=np.int64)
+    planes = join_planes(escape_planes)
+    if native.speedups.decode_gaps(low, codes, planes, len(escape_planes), escapes, count, start, stop, out):
+        return out
+    decode_gaps_numpy(low, codes, escape_planes, count, escapes, start, stop, what)  # says what is wrong
+    raise FormatError(f"{what}: gap streams do not decode")  # pragma: no cover - both decoders agree
+
+
+def decode_gaps_numpy(
+    low: Buffer,
+    codes: Buffer,
+    escape_planes: Sequence[Buffer],
+    count: int,
+    escapes: int,
+    start: int,
+    stop: int,
+    what: str,
+) -> NDArray[np.int64]:
+    """:func:`decode_gaps` in NumPy alone: the definition the compiled decoder is held to."""
     span = stop - start
     high, escaped_at = _unpack_codes(codes, count, escapes, f"{what}: gap codes")
     gaps = high.astype(np.uint64)
     if escapes:
         # A high part above span >> 8 would make a gap past the range (or overflow).
-        gaps[escaped_at] = _unpack_escapes(escape_planes, escapes, span >> 8, f"{what}: gaps")
+        gaps[escaped_at] = escape_values(escape_planes, escapes, span >> 8, f"{what}: gaps")
     gaps <<= np.uint64(8)
     gaps += np.frombuffer(low, dtype=np.uint8, count=count)
     if int(gaps.min()) < 1:
@@ -238,6 +303,11 @@ def _delta_table(dtype: np.dtype[np.unsignedinteger]) -> NDArray[np.unsignedinte
 
 def encode_deltas(delta: NDArray[np.unsignedinteger]) -> EntryBytes:
     """The delta bytes of nonzero ``delta``: codes and escapes of ``zigzag(delta) - 1``."""
+    if native.active() and delta.dtype.isnative and delta.flags.c_contiguous:
+        n = delta.size
+        codes, escaped = np.empty(codes_size(n), dtype=np.uint8), np.empty(n, dtype=np.uint64)
+        count = native.speedups.encode_deltas(delta, delta.dtype.itemsize, codes, escaped)
+        return EntryBytes(b"", _small_values(codes, escaped[:count]))
     z = _zigzag(delta)
     z -= z.dtype.type(1)
     return EntryBytes(b"", _pack_small(z))
@@ -250,8 +320,40 @@ def decode_deltas(
     escapes: int,
     dtype: np.dtype[np.unsignedinteger],
     what: str,
+    *,
+    out: NDArray[np.unsignedinteger] | None = None,
 ) -> NDArray[np.unsignedinteger]:
-    """Deltas of an entry from its codes and escape planes; checks padding, escapes and range."""
+    """Deltas of an entry from its codes and escape planes; checks padding, escapes and range.
+
+    ``out``, if given, is a C-contiguous array of ``dtype`` and ``count`` elements to decode
+    into (and is returned).
+    """
+    if out is not None and (out.dtype != dtype or out.shape != (count,) or not out.flags.c_contiguous):
+        raise InvalidInput(f"out must be a C-contiguous {dtype} array of {count} elements")
+    if not native.active() or len(codes) != codes_size(count):
+        delta = decode_deltas_numpy(codes, escape_planes, count, escapes, dtype, what)
+        if out is None:
+            return delta
+        out[...] = delta
+        return out
+    if out is None:
+        out = np.empty(count, dtype=dtype)
+    planes = join_planes(escape_planes)
+    if native.speedups.decode_deltas(codes, planes, len(escape_planes), escapes, count, dtype.itemsize, out):
+        return out
+    decode_deltas_numpy(codes, escape_planes, count, escapes, dtype, what)  # says what is wrong
+    raise FormatError(f"{what}: delta streams do not decode")  # pragma: no cover - both decoders agree
+
+
+def decode_deltas_numpy(
+    codes: Buffer,
+    escape_planes: Sequence[Buffer],
+    count: int,
+    escapes: int,
+    dtype: np.dtype[np.unsignedinteger],
+    what: str,
+) -> NDArray[np.unsignedinteger]:
+    """:func:`decode_deltas` in NumPy alone: the definition the compiled decoder is held to."""
     packed = np.frombuffer(codes, dtype=np.uint8, count=codes_size(count))
     if count % 4 and int(packed[-1]) >> (2 * (count % 4)):
         raise FormatError(f"{what}: delta codes: nonzero padding after the last code")
@@ -262,7 +364,7 @@ def decode_deltas(
         raise FormatError(f"{what}: delta codes: the codes hold {escaped_at.size} escapes, {escapes} declared")
     if escapes:
         # z - 1 <= 2**bits - 2: a larger z would not fit the width, or wrap to a zero delta.
-        z = _unpack_escapes(escape_planes, escapes, (1 << (8 * dtype.itemsize)) - 2, f"{what}: deltas")
+        z = escape_values(escape_planes, escapes, (1 << (8 * dtype.itemsize)) - 2, f"{what}: deltas")
         z += np.uint64(1)
         delta[escaped_at] = _unzigzag(z.astype(dtype))
     return delta

@@ -19,9 +19,14 @@ against the sum of its five 1-step patches, and a codec/level sweep.
 Synthetic: a BF16 model of ``--synthetic-gb`` (default 1.0) with random N(0, 0.02)
 weights and one Adam-like step sized so about 0.35% of the BF16 values change, for the
 throughput and memory targets: encode at least as fast as the naive diff alone,
-decode+apply >= 10x faster than encode, peak extra memory <= 10% of the model.
+decode+apply >= 10x faster than encode, peak extra memory <= 10% of the model. The same
+model is also timed at the ``--sweep`` shares (0.1% and 1%), and the 0.35% transition
+again with the compiled fast path off (``patcher.native``), the NumPy codec's figures.
 
-Throughputs are the best of ``--repeat`` runs (the machine is shared).
+Decode+apply is the one-pass ``apply_shards`` (on the default threads; also shown on one
+thread, and as the two steps ``decode`` then ``apply``). Encode is single-threaded: it
+runs beside training. Throughputs are the best of ``--repeat`` runs (the machine is
+shared).
 """
 
 from __future__ import annotations
@@ -46,7 +51,9 @@ from numpy.typing import NDArray
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from patcher.apply import apply  # noqa: E402
+from patcher import native  # noqa: E402
+from patcher.apply import apply, default_threads  # noqa: E402
+from patcher.apply_shards import apply_shards  # noqa: E402
 from patcher.decode import decode, read_shard_header  # noqa: E402
 from patcher.diff import diff  # noqa: E402
 from patcher.encode import encode  # noqa: E402
@@ -115,18 +122,29 @@ def naive_diff(old: Mapping[str, NDArray[Any]], new: Mapping[str, NDArray[Any]])
 def measure(
     specs: dict[str, TensorSpec], old: Bits, new: Bits, fps: dict[str, int], repeat: int, *, memory: bool = True
 ) -> dict[str, Any]:
-    """Everything measured for one transition, with the patch and shards it produced."""
+    """Everything measured for one transition, with the patch and shards it produced.
+
+    Decode+apply is timed two ways: in one pass straight from the shards
+    (``apply_shards``, what a node one version behind runs) and in two steps (``decode``
+    to a Patch, then ``apply``, what a node folding several versions runs). Both use
+    the default threads; the one-pass figure is also taken on one thread.
+    """
     model_bytes = sum(s.nbytes for s in specs.values())
     t_naive, _ = best(lambda: naive_diff(old, new), repeat)
     t_diff, patch = best(lambda: diff(specs, old, new, base_fingerprints=fps), repeat)
     t_encode, shards = best(lambda: encode(patch), repeat)
     t_decode, decoded = best(lambda: decode(shards), repeat)
-    t_apply, new_fps = best_with(
-        lambda held: apply(decoded, held, fps), lambda: {n: a.copy() for n, a in old.items()}, repeat
-    )
-    held = {n: a.copy() for n, a in old.items()}
-    apply(decoded, held, fps)
-    assert all(held[n].tobytes() == new[n].tobytes() for n in specs), "decode+apply is not exact"
+
+    def fresh() -> Bits:
+        return {n: a.copy() for n, a in old.items()}
+
+    t_apply, _ = best_with(lambda held: apply(decoded, held, fps), fresh, repeat)
+    t_one_pass, _ = best_with(lambda held: apply_shards(shards, held, fps), fresh, repeat)
+    t_one_thread, _ = best_with(lambda held: apply_shards(shards, held, fps, threads=1), fresh, repeat)
+    for run in (lambda held: apply(decode(shards), held, fps), lambda held: apply_shards(shards, held, fps)):
+        held = fresh()
+        run(held)
+        assert all(held[n].tobytes() == new[n].tobytes() for n in specs), "decode+apply is not exact"
     changed = patch.changed_elements
     total = sum(map(len, shards))
     payload = sum(read_shard_header(s).payload_length for s in shards)
@@ -143,19 +161,25 @@ def measure(
         "ratio_vs_int32_raw_bf16": 6 * changed / total,
         "naive_flatnonzero_gbps": model_bytes / t_naive / GB,
         "encode_gbps": model_bytes / encode_s / GB,
+        "encode_vs_naive": t_naive / encode_s,
         "diff_s": t_diff,
         "encode_s": t_encode,
         "naive_s": t_naive,
         "decode_s": t_decode,
         "apply_s": t_apply,
-        "decode_apply_gbps": model_bytes / (t_decode + t_apply) / GB,
-        "decode_apply_speedup_vs_encode": encode_s / (t_decode + t_apply),
+        "apply_shards_s": t_one_pass,
+        "apply_shards_one_thread_s": t_one_thread,
+        "threads": default_threads(),
+        "decode_apply_gbps": model_bytes / t_one_pass / GB,
+        "decode_apply_speedup_vs_encode": encode_s / t_one_pass,
+        "decode_then_apply_speedup_vs_encode": encode_s / (t_decode + t_apply),
+        "one_thread_speedup_vs_encode": encode_s / t_one_thread,
     }
     if memory:
         peak = peak_extra(lambda: encode(diff(specs, old, new, base_fingerprints=fps)))
         out["encode_peak_extra_bytes"] = peak
         out["encode_peak_extra_pct_of_model"] = 100 * peak / model_bytes
-    out["_patch"], out["_shards"], out["_fps"] = patch, shards, new_fps
+    out["_patch"], out["_shards"] = patch, shards
     return out
 
 
@@ -286,37 +310,48 @@ def _bf16(f: NDArray[np.float32]) -> NDArray[np.uint16]:
     return ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
 
 
-def synthetic(gb: float, target_pct: float, seed: int) -> tuple[dict[str, TensorSpec], Bits, Bits]:
-    """A BF16 model of about ``gb`` GB and one Adam-like step changing ~target_pct of it."""
-    rng = np.random.default_rng(seed)
-    rows = cols = 4096
-    n_mat = max(1, round(gb * GB / (2 * rows * cols)))
-    # Adam's normalised step is ~lr per element; calibrate lr on a sample for the change rate.
+def _calibrate(target_pct: float, rng: np.random.Generator) -> float:
+    """The Adam-like step size (~lr per element) that changes ``target_pct`` of BF16 values."""
     w = rng.standard_normal(1 << 22, dtype=np.float32) * np.float32(0.02)
     u = np.clip(rng.standard_normal(1 << 22, dtype=np.float32), -3, 3)
     lr = 1e-7
     for _ in range(30):
         pct = 100 * np.count_nonzero(_bf16(w) != _bf16(w + u * np.float32(lr))) / w.size
         lr *= (target_pct / max(pct, 1e-6)) ** 0.9
-    specs, old, new = {}, {}, {}
+    return lr
+
+
+def synthetic(gb: float, target_pcts: list[float], seed: int) -> tuple[dict[str, TensorSpec], Bits, dict[float, Bits]]:
+    """A BF16 model of about ``gb`` GB and, for each target share, one Adam-like step from
+    it changing about that share of the values."""
+    rng = np.random.default_rng(seed)
+    rows = cols = 4096
+    n_mat = max(1, round(gb * GB / (2 * rows * cols)))
+    lrs = {pct: _calibrate(pct, rng) for pct in target_pcts}
+    specs: dict[str, TensorSpec] = {}
+    old: Bits = {}
+    new: dict[float, Bits] = {pct: {} for pct in target_pcts}
     layout: list[tuple[str, tuple[int, ...]]] = [(f"layers.{i}.mlp.weight", (rows, cols)) for i in range(n_mat)]
     layout += [(f"layers.{i}.norm.weight", (cols,)) for i in range(n_mat)]
     chunk = 1 << 22
     for name, shape in layout:
         n = int(np.prod(shape))
-        a, b = np.empty(n, np.uint16), np.empty(n, np.uint16)
+        a = np.empty(n, np.uint16)
+        bs = {pct: np.empty(n, np.uint16) for pct in target_pcts}
         for lo in range(0, n, chunk):
             hi = min(lo + chunk, n)
             if name.endswith("norm.weight"):  # norms sit near 1 and almost never change
                 w = np.ones(hi - lo, np.float32) + rng.standard_normal(hi - lo, dtype=np.float32) * np.float32(0.01)
             else:
                 w = rng.standard_normal(hi - lo, dtype=np.float32) * np.float32(0.02)
-            step = np.clip(rng.standard_normal(hi - lo, dtype=np.float32), -3, 3) * np.float32(lr)
+            u = np.clip(rng.standard_normal(hi - lo, dtype=np.float32), -3, 3)
             a[lo:hi] = _bf16(w)
-            w += step
-            b[lo:hi] = _bf16(w)
+            for pct, b in bs.items():
+                b[lo:hi] = _bf16(w + u * np.float32(lrs[pct]))
         specs[name] = TensorSpec(name, "BF16", shape)
-        old[name], new[name] = a.reshape(shape), b.reshape(shape)
+        old[name] = a.reshape(shape)
+        for pct, b in bs.items():
+            new[pct][name] = b.reshape(shape)
     return specs, old, new
 
 
@@ -324,17 +359,20 @@ def synthetic(gb: float, target_pct: float, seed: int) -> tuple[dict[str, Tensor
 
 HEADER = (
     f"{'transition':<28} {'changed':>8} {'B/chg':>6} {'payload':>7} {'x ckpt':>7} {'x i32+bf16':>10} "
-    f"{'naive GB/s':>10} {'enc GB/s':>8} {'dec+apply':>9} {'speedup':>7} {'peak mem':>8}"
+    f"{'naive GB/s':>10} {'enc GB/s':>8} {'enc/naive':>9} {'dec+apply':>9} {'speedup':>7} "
+    f"{'2-step':>6} {'1-thread':>8} {'peak mem':>8}"
 )
 
 
 def print_row(label: str, m: Mapping[str, Any]) -> None:
+    """One transition: decode+apply is the one-pass figure; speedups are against encode."""
     peak = f"{m['encode_peak_extra_pct_of_model']:.1f}%" if "encode_peak_extra_pct_of_model" in m else "-"
     print(
         f"{label:<28} {m['changed_pct']:>7.3f}% {m['bytes_per_changed']:>6.3f} {m['payload_bytes_per_changed']:>7.3f} "
         f"{m['ratio_vs_bf16_checkpoint']:>7.0f} {m['ratio_vs_int32_raw_bf16']:>10.2f} "
-        f"{m['naive_flatnonzero_gbps']:>10.2f} {m['encode_gbps']:>8.2f} {m['decode_apply_gbps']:>9.2f} "
-        f"{m['decode_apply_speedup_vs_encode']:>6.1f}x {peak:>8}",
+        f"{m['naive_flatnonzero_gbps']:>10.2f} {m['encode_gbps']:>8.2f} {m['encode_vs_naive']:>8.2f}x "
+        f"{m['decode_apply_gbps']:>9.2f} {m['decode_apply_speedup_vs_encode']:>6.1f}x "
+        f"{m['decode_then_apply_speedup_vs_encode']:>5.1f}x {m['one_thread_speedup_vs_encode']:>7.1f}x {peak:>8}",
         flush=True,
     )
 
@@ -358,6 +396,9 @@ def main() -> int:
     parser.add_argument("--lrs", type=float, nargs="+", default=[1e-6, 3e-6])
     parser.add_argument("--synthetic-gb", type=float, default=None, help="size of the synthetic model (default 1.0)")
     parser.add_argument("--synthetic-pct", type=float, default=0.35, help="share of BF16 values one step changes")
+    parser.add_argument(
+        "--sweep", type=float, nargs="*", default=[0.1, 1.0], help="more shares (%%) to time on the synthetic model"
+    )
     parser.add_argument("--repeat", type=int, default=None, help="timed runs per figure; the best counts (default 3)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-real", action="store_true", help="only the synthetic model")
@@ -373,19 +414,36 @@ def main() -> int:
         with tempfile.TemporaryDirectory(prefix="bench-minilm-") as tmp:
             results["minilm"] = real_transitions(args, Path(tmp))
     t = time.perf_counter()
-    specs, old, new = synthetic(gb, args.synthetic_pct, args.seed)
+    pcts = sorted({args.synthetic_pct, *args.sweep})
+    specs, old, news = synthetic(gb, pcts, args.seed)
     gen_s = time.perf_counter() - t
     fps = {k: fingerprint(v) for k, v in old.items()}
-    m = measure(specs, old, new, fps, args.repeat)
     model_gb = sum(s.nbytes for s in specs.values()) / GB
-    print_row(f"synthetic {model_gb:.2f} GB BF16", m)
+    sweep: dict[str, Any] = {}
+    for pct in pcts:
+        main = pct == args.synthetic_pct
+        m = measure(specs, old, news[pct], fps, args.repeat, memory=main)
+        print_row(f"synthetic {model_gb:.2f} GB {m['changed_pct']:.2f}%", m)
+        if main:
+            results["synthetic"] = m
+        else:
+            sweep[f"{pct:g}"] = m
+    m = results["synthetic"]
+    with native.disabled():  # the same transition on the NumPy codec alone: the compiled path's baseline
+        numpy_m = measure(specs, old, news[args.synthetic_pct], fps, args.repeat, memory=False)
+    print_row("  same, NumPy codec only", numpy_m)
     m["targets"] = {
         "encode_at_least_naive_speed": m["encode_gbps"] >= m["naive_flatnonzero_gbps"],
         "decode_apply_10x_encode": m["decode_apply_speedup_vs_encode"] >= 10,
         "encode_peak_memory_le_10pct": m["encode_peak_extra_pct_of_model"] <= 10,
     }
-    m.update(model_gb=model_gb, generation_s=gen_s)
-    results["synthetic"] = m
+    m.update(model_gb=model_gb, generation_s=gen_s, native=native.active())
+    m["numpy_codec"] = numpy_m
+    m["compiled_vs_numpy"] = {
+        "encode": (numpy_m["diff_s"] + numpy_m["encode_s"]) / (m["diff_s"] + m["encode_s"]),
+        "decode_apply": (numpy_m["decode_s"] + numpy_m["apply_s"]) / m["apply_shards_s"],
+    }
+    results["synthetic_sweep"] = sweep
     print()
     if "minilm" in results:
         r = results["minilm"]

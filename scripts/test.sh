@@ -21,7 +21,11 @@
 #                          the CPU build on this machine's disk; a bare "torch" would
 #                          pull a multi-GB CUDA build)
 #   BULLETIN_SKIP_S3=1     do not start LocalStack (S3 tests then skip)
+#
+# The codec's compiled fast path (patcher/_speedups.c) must build here: a compile error
+# fails the install and the tests, rather than quietly testing NumPy alone.
 set -euo pipefail
+export BULLETIN_REQUIRE_NATIVE=1
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo"
@@ -40,7 +44,8 @@ if [[ ! -x "$py" ]]; then
     "$python" -m venv "$venv"
 fi
 stamp="$venv/.bulletin-installed"
-want="$(cat pyproject.toml "${BASH_SOURCE[0]}" | sha256sum | cut -d' ' -f1)"
+# The compiled fast path is built at install time: its source is part of the stamp.
+want="$(cat pyproject.toml setup.py patcher/_speedups.c "${BASH_SOURCE[0]}" | sha256sum | cut -d' ' -f1)"
 if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
     step "installing the project and its test dependencies"
     quiet_pip install --quiet --disable-pip-version-check "${BULLETIN_TORCH_SPEC:-torch==2.13.0}"

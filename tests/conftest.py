@@ -84,3 +84,33 @@ def s3_bucket(s3_endpoint: str) -> Iterator[str]:
 def s3_url(s3_endpoint: str, s3_bucket: str) -> str:
     """``s3://`` URL of a fresh bucket on the test server (see ``s3_bucket``)."""
     return f"s3://{s3_bucket}?endpoint_url={s3_endpoint}&region={S3_TEST_REGION}"
+
+
+CODEC_PATHS = ("compiled", "numpy")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    # Tests that compare the two paths themselves run once, on the compiled one.
+    if "codec_path" in metafunc.fixturenames:
+        both = metafunc.definition.get_closest_marker("compiled_vs_numpy") is None
+        metafunc.parametrize("codec_path", CODEC_PATHS if both else CODEC_PATHS[:1], indirect=True)
+
+
+@pytest.fixture
+def codec_path(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Run the test on the codec's compiled fast path, then on NumPy alone (patcher.native).
+
+    The compiled run is skipped where the extension was not built, unless
+    ``BULLETIN_REQUIRE_NATIVE=1`` (scripts/test.sh sets it), where it fails instead.
+    """
+    from patcher import native
+
+    if getattr(request, "param", "compiled") == "numpy":
+        with native.disabled():
+            yield "numpy"
+        return
+    if not native.BUILT:
+        if os.environ.get("BULLETIN_REQUIRE_NATIVE") == "1":
+            pytest.fail("patcher._speedups was not built, and BULLETIN_REQUIRE_NATIVE=1")
+        pytest.skip("patcher._speedups was not built (no C compiler at install time)")
+    yield "compiled"

@@ -11,9 +11,16 @@ import pytest
 from bulletin import Publisher, Subscriber
 from bulletin.chain import Board
 from bulletin.checkpoint import Checkpoint
-from bulletin.errors import DigestMismatch, InvalidTensorName, UnsupportedDtype, VersionConflict, VersionNotFound
+from bulletin.errors import (
+    DigestMismatch,
+    InvalidTensorName,
+    UnsupportedDtype,
+    VerificationFailed,
+    VersionConflict,
+    VersionNotFound,
+)
 from bulletin.storage import open_store
-from bulletin.target import ArrayTarget, LocalDirTarget
+from bulletin.target import ArrayTarget, LocalDirTarget, ShardTarget
 from patcher.fingerprint import fingerprint
 from tests.board.helpers import ToyTrainer, assert_bits_equal
 
@@ -267,3 +274,28 @@ def test_resume_and_fresh_sync_after_garbage_collection(store_url: str) -> None:
     assert_bits_equal(target.arrays, trainer.served())
     with pytest.raises(VersionNotFound):
         Subscriber(store_url, "run").sync(2)
+
+
+def test_one_version_behind_applies_straight_from_the_shards(store_url: str) -> None:
+    # In-memory targets take the shards as downloaded (patcher.apply_shards) when one
+    # transition is due; a holder whose bits are not what it claims is refused and
+    # left exactly as it was, on its version.
+    assert isinstance(ArrayTarget(), ShardTarget)
+    assert not isinstance(LocalDirTarget.__new__(LocalDirTarget), ShardTarget)
+    trainer = ToyTrainer(seed=4)
+    with Publisher(store_url, "run", keyframe_every=100) as pub:
+        served = _publish(pub, trainer, 3)
+    target = ArrayTarget()
+    sub = Subscriber(store_url, "run", target=target)
+    assert sub.sync(2) == 2
+    report = sub.stats.last_report
+    assert report is not None and report.transitions == 1 and report.changed_elements > 0
+    assert_bits_equal(target.arrays, served[1])
+    name = next(n for n in served[1] if (served[1][n] != served[2][n]).any())
+    changed = np.flatnonzero(served[1][name].reshape(-1) != served[2][name].reshape(-1))
+    target.arrays[name].reshape(-1)[changed[0]] ^= 1  # damage bits the patch reads, behind the target's back
+    before = {n: a.copy() for n, a in target.arrays.items()}
+    with pytest.raises(VerificationFailed):
+        sub.sync(3)
+    assert sub.current_version == 2
+    assert_bits_equal(target.arrays, before)

@@ -17,11 +17,13 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
+import numpy as np
 import zstandard
 
-from bulletin.errors import CorruptData, InvalidTensorName, UnsupportedDtype
-from patcher.decode import decode, decode_shard, read_shard_header
-from patcher.format import FIXED_HEADER_SIZE, HEADER_CRC_OFFSET, DecodeLimits
+from bulletin.errors import CorruptData, InvalidTensorName, UnsupportedDtype, VerificationFailed
+from patcher.apply_shards import apply_shards
+from patcher.decode import decode, decode_shard, read_shard_header, shard_views
+from patcher.format import DEFAULT_LIMITS, FIXED_HEADER_SIZE, HEADER_CRC_OFFSET, DecodeLimits
 
 __all__ = ["REJECTIONS", "check_decoders", "mutate", "seal"]
 
@@ -219,3 +221,47 @@ def check_decoders(shards: list[bytes], on_bug: Callable[[str, BaseException], N
                     td.validate()
                 except Exception as e:
                     on_bug(f"{name}: accepted an invalid patch", e)
+    _check_apply_shards(shards, on_bug)
+
+
+def _check_apply_shards(shards: list[bytes], on_bug: Callable[[str, BaseException], None]) -> None:
+    """``apply_shards`` refuses what ``decode`` refuses, and never leaves a change behind.
+
+    The holder has the layout the headers describe and claims their base fingerprints
+    over bits that are not the base: a valid patch is applied in full and then fails its
+    target check, an invalid one is refused, perhaps mid-entry. Either way every change
+    must be undone.
+    """
+    try:
+        decode(shards)
+        valid = True
+    except REJECTIONS:
+        valid = False
+    except Exception:  # reported by check_decoders
+        return
+    try:
+        infos = shard_views(shards, DEFAULT_LIMITS)[2]
+    except REJECTIONS:
+        infos = {}
+    if sum(info.spec.nbytes for info in infos.values()) > 1 << 24:
+        return  # too large to hold here
+    held = {n: np.full(info.spec.shape, 0x5A, dtype=info.spec.bits_dtype) for n, info in infos.items()}
+    claims = {n: info.base_fingerprint for n, info in infos.items()}
+    try:
+        apply_shards(shards, held, claims)
+    except REJECTIONS:
+        pass
+    except VerificationFailed as e:
+        if not valid:
+            on_bug("apply_shards: shards decode refuses got as far as the target check", e)
+    except Exception as e:
+        on_bug("apply_shards", e)
+        return
+    else:
+        if not valid:
+            on_bug("apply_shards accepted shards decode refuses", AssertionError("accepted"))
+        elif any(info.changed for info in infos.values()):
+            on_bug("apply_shards: bits that are not the base passed", AssertionError("accepted"))
+        return
+    if any(bool((array != 0x5A).any()) for array in held.values()):
+        on_bug("apply_shards left changes behind", AssertionError("not undone"))

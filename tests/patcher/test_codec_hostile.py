@@ -6,6 +6,7 @@ import copy
 import hashlib
 import json
 import random
+import re
 import struct
 import tracemalloc
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from bulletin.errors import (
     UnsupportedDtype,
     UnsupportedFormatVersion,
 )
+from patcher.apply_shards import apply_shards
 from patcher.decode import decode, decode_shard, read_shard_header
 from patcher.encode import encode
 from patcher.format import FIXED_HEADER_SIZE, STREAM_KINDS, DecodeLimits, canonical_json
@@ -334,8 +336,15 @@ def test_entry_order_duplicates_and_overlaps() -> None:
     ],
 )
 def test_streams_that_lie(entry: tuple[str, int, int, list[int], list[int]], options: dict[str, Any], why: str) -> None:
-    e = rejected([assemble([entry], T, **options)])
+    shard = assemble([entry], T, **options)
+    e = rejected([shard])
     assert why in str(e), e
+    # Applied straight from the shard, the same refusal, and the holder is untouched
+    # (the compiled path finds some of these mid-entry and undoes what it applied).
+    held = {"t": np.arange(100, dtype=np.uint8)}
+    with pytest.raises(type(e), match=re.escape(str(e))):
+        apply_shards([shard], held, {"t": 1})
+    assert held["t"].tolist() == list(range(100))
 
 
 def test_escape_widths_must_be_the_smallest() -> None:

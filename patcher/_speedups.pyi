@@ -1,0 +1,54 @@
+# Stub of the compiled fast path (patcher/_speedups.c); patcher/native.py is its only user.
+from typing import Any, TypeAlias
+
+from _typeshed import ReadableBuffer, WriteableBuffer
+from numpy.typing import NDArray
+
+# NumPy's stubs give ndarray no __buffer__ before Python 3.12, though it has one.
+In: TypeAlias = ReadableBuffer | NDArray[Any]
+Out: TypeAlias = WriteableBuffer | NDArray[Any]
+
+def diff(
+    old: In, new: In, width: int, pos: int, indices_out: Out, was_out: Out, delta_out: Out, /
+) -> tuple[int, int, int]: ...
+def fingerprint(bits: In, width: int, first_index: int, /) -> int: ...
+def fingerprint_change(indices: In, old: In, new: In, width: int, /) -> int: ...
+def scatter_add(target: Out, width: int, indices: In, delta: In, old_out: Out, after: int, /) -> tuple[int, int]: ...
+def scatter(target: Out, width: int, indices: In, values: In, /) -> None: ...
+def check_changes(indices: In, delta: In, width: int, numel: int, /) -> int: ...
+def decode_gaps(
+    low: In,
+    codes: In,
+    planes: In,
+    plane_width: int,
+    escapes: int,
+    count: int,
+    start: int,
+    stop: int,
+    indices_out: Out,
+    /,
+) -> bool: ...
+def decode_deltas(
+    codes: In, planes: In, plane_width: int, escapes: int, count: int, width: int, delta_out: Out, /
+) -> bool: ...
+def encode_gaps(indices: In, start: int, low_out: Out, codes_out: Out, escaped_out: Out, /) -> int: ...
+def encode_deltas(delta: In, width: int, codes_out: Out, escaped_out: Out, /) -> int: ...
+def apply_entry(
+    target: Out,
+    width: int,
+    low: In,
+    gap_codes: In,
+    gap_planes: In,
+    gap_plane_width: int,
+    gap_escapes: int,
+    delta_codes: In,
+    delta_planes: In,
+    delta_plane_width: int,
+    delta_escapes: int,
+    count: int,
+    start: int,
+    stop: int,
+    subtract: bool,
+    limit: int,
+    /,
+) -> tuple[int, int, bool]: ...
