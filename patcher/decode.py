@@ -152,9 +152,12 @@ def _ints(value: object, n: int, what: str) -> list[int]:
 
 
 def _fingerprint(value: object, what: str) -> int:
-    if not isinstance(value, str) or len(value) != 16 or not set(value) <= _HEX:
-        raise FormatError(f"{what} must be 16 lowercase hex digits")
-    return parse_fingerprint(value)
+    if isinstance(value, str):
+        try:
+            return parse_fingerprint(value)
+        except ValueError:
+            pass
+    raise FormatError(f"{what} must be 16 lowercase hex digits")
 
 
 # -- header ----------------------------------------------------------------------------

@@ -21,6 +21,7 @@ compute it bit for bit.
 
 from __future__ import annotations
 
+import re
 from typing import Final
 
 import numpy as np
@@ -46,6 +47,7 @@ M2: Final = 0x94D049BB133111EB
 CHUNK_ELEMENTS: Final = 1 << 20
 
 _U64 = np.uint64
+_WIRE: Final = re.compile("[0-9a-f]{16}")
 
 
 def element_hashes(indices: NDArray[np.integer], bits: NDArray[np.unsignedinteger]) -> NDArray[np.uint64]:
@@ -99,6 +101,6 @@ def format_fingerprint(fp: int) -> str:
 
 def parse_fingerprint(text: str) -> int:
     """Inverse of :func:`format_fingerprint`; raises ``ValueError`` on anything else."""
-    if len(text) != 16 or any(c not in "0123456789abcdef" for c in text):
+    if not isinstance(text, str) or _WIRE.fullmatch(text) is None:
         raise ValueError(f"fingerprint must be 16 lowercase hex digits, got {text!r}")
     return int(text, 16)
