@@ -106,6 +106,30 @@ static inline uint64_t width_mask(int width) { return width == 8 ? ~0ULL : (1ULL
 #define HOT static inline
 #endif
 
+/* Run the statement with W the element width as a constant: one compiled copy each. */
+#define BY_WIDTH(width, ...)          \
+    switch (width) {                  \
+        case 1: {                     \
+            enum { W = 1 };           \
+            __VA_ARGS__;              \
+            break;                    \
+        }                             \
+        case 2: {                     \
+            enum { W = 2 };           \
+            __VA_ARGS__;              \
+            break;                    \
+        }                             \
+        case 4: {                     \
+            enum { W = 4 };           \
+            __VA_ARGS__;              \
+            break;                    \
+        }                             \
+        default: {                    \
+            enum { W = 8 };           \
+            __VA_ARGS__;              \
+        }                             \
+    }
+
 #if defined(__GNUC__) && defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
 /* Element k of a little-endian 64-bit word sits in bits [8 * width * k, ...). */
 #define WORD_LANES 1
@@ -252,19 +276,7 @@ static PyObject *py_diff(PyObject *self, PyObject *args) {
         unsigned char *io = b[2].buf, *wo = b[3].buf, *d = b[4].buf;
         DiffResult r;
         Py_BEGIN_ALLOW_THREADS;
-        switch (width) {
-            case 1:
-                r = diff_scan(1, a, c, n, pos, cap, io, wo, d);
-                break;
-            case 2:
-                r = diff_scan(2, a, c, n, pos, cap, io, wo, d);
-                break;
-            case 4:
-                r = diff_scan(4, a, c, n, pos, cap, io, wo, d);
-                break;
-            default:
-                r = diff_scan(8, a, c, n, pos, cap, io, wo, d);
-        }
+        BY_WIDTH(width, r = diff_scan(W, a, c, n, pos, cap, io, wo, d));
         Py_END_ALLOW_THREADS;
         result = Py_BuildValue("nnK", r.count, r.next, (unsigned long long)r.fp);
     }
@@ -408,19 +420,7 @@ static PyObject *py_scatter_add(PyObject *self, PyObject *args) {
         const int64_t previous = after < -1 ? -1 : (int64_t)after;
         ScatterResult r;
         Py_BEGIN_ALLOW_THREADS;
-        switch (width) {
-            case 1:
-                r = scatter_add_loop(1, t, numel, ix, d, old_out, n, previous);
-                break;
-            case 2:
-                r = scatter_add_loop(2, t, numel, ix, d, old_out, n, previous);
-                break;
-            case 4:
-                r = scatter_add_loop(4, t, numel, ix, d, old_out, n, previous);
-                break;
-            default:
-                r = scatter_add_loop(8, t, numel, ix, d, old_out, n, previous);
-        }
+        BY_WIDTH(width, r = scatter_add_loop(W, t, numel, ix, d, old_out, n, previous));
         Py_END_ALLOW_THREADS;
         result = Py_BuildValue("nK", r.done, (unsigned long long)r.fp);
     }
@@ -782,19 +782,7 @@ static PyObject *py_decode_deltas(PyObject *self, PyObject *args) {
         int ok = padding_ok(e.delta_codes, count) && escapes_canonical(&e.delta_esc);
         Py_BEGIN_ALLOW_THREADS;
         if (ok) {
-            switch (width) {
-                case 1:
-                    ok = deltas_into(1, &e, out);
-                    break;
-                case 2:
-                    ok = deltas_into(2, &e, out);
-                    break;
-                case 4:
-                    ok = deltas_into(4, &e, out);
-                    break;
-                default:
-                    ok = deltas_into(8, &e, out);
-            }
+            BY_WIDTH(width, ok = deltas_into(W, &e, out));
         }
         Py_END_ALLOW_THREADS;
         result = PyBool_FromLong(ok);
@@ -880,19 +868,7 @@ static PyObject *py_apply_entry(PyObject *self, PyObject *args) {
         unsigned char *t = b[0].buf;
         EntryResult r;
         Py_BEGIN_ALLOW_THREADS;
-        switch (width) {
-            case 1:
-                r = apply_entry_loop(1, t, &e, subtract, limit);
-                break;
-            case 2:
-                r = apply_entry_loop(2, t, &e, subtract, limit);
-                break;
-            case 4:
-                r = apply_entry_loop(4, t, &e, subtract, limit);
-                break;
-            default:
-                r = apply_entry_loop(8, t, &e, subtract, limit);
-        }
+        BY_WIDTH(width, r = apply_entry_loop(W, t, &e, subtract, limit));
         Py_END_ALLOW_THREADS;
         result = Py_BuildValue("nKO", r.done, (unsigned long long)r.fp, r.ok ? Py_True : Py_False);
     }

@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
-from typing import Final
+from typing import Final, TypeVar
 
 import numpy as np
 from numpy.typing import NDArray
@@ -148,6 +148,17 @@ def _unpack_codes(codes: Buffer, count: int, escapes: int, what: str) -> tuple[N
     return unpacked, escaped_at
 
 
+_A = TypeVar("_A", bound=np.ndarray)
+
+
+def _into(out: _A | None, result: _A) -> _A:
+    """``result``, copied into ``out`` when the caller gave one."""
+    if out is None:
+        return result
+    out[...] = result
+    return out
+
+
 def join_planes(planes: Sequence[Buffer]) -> Buffer:
     """Escape byte planes as one buffer, plane after plane (what the compiled path reads)."""
     if len(planes) == 1:
@@ -206,11 +217,7 @@ def decode_gaps(
     if out is not None and (out.dtype != np.int64 or out.shape != (count,) or not out.flags.c_contiguous):
         raise InvalidInput(f"out must be a C-contiguous int64 array of {count} elements")
     if not native.active() or len(low) != count or len(codes) != codes_size(count):
-        indices = decode_gaps_numpy(low, codes, escape_planes, count, escapes, start, stop, what)
-        if out is None:
-            return indices
-        out[...] = indices
-        return out
+        return _into(out, decode_gaps_numpy(low, codes, escape_planes, count, escapes, start, stop, what))
     if out is None:
         out = np.empty(count, dtype=np.int64)
     planes = join_planes(escape_planes)
@@ -331,11 +338,7 @@ def decode_deltas(
     if out is not None and (out.dtype != dtype or out.shape != (count,) or not out.flags.c_contiguous):
         raise InvalidInput(f"out must be a C-contiguous {dtype} array of {count} elements")
     if not native.active() or len(codes) != codes_size(count):
-        delta = decode_deltas_numpy(codes, escape_planes, count, escapes, dtype, what)
-        if out is None:
-            return delta
-        out[...] = delta
-        return out
+        return _into(out, decode_deltas_numpy(codes, escape_planes, count, escapes, dtype, what))
     if out is None:
         out = np.empty(count, dtype=dtype)
     planes = join_planes(escape_planes)

@@ -13,7 +13,8 @@ large), for each one-step transition: share of elements changed, bytes per chang
 element (payload only, and whole shards), ratios against the full BF16 checkpoint and an
 int32-index + raw-BF16 baseline, encode (diff included) and decode+apply throughput in
 GB/s of dense model bytes next to a naive ``np.flatnonzero(a != b)`` timed in the same
-run, and the encoder's peak extra memory (tracemalloc). Then a folded 5-step patch
+run, and the encoder's peak extra memory (tracemalloc). Every timed run starts with
+cold CPU caches (``--warm`` to skip that), as a rollout node's weights are. Then a folded 5-step patch
 against the sum of its five 1-step patches, and a codec/level sweep.
 
 Synthetic: a BF16 model of ``--synthetic-gb`` (default 1.0) with random N(0, 0.02)
@@ -87,16 +88,54 @@ SENTENCES = [
 ]
 
 
+def _last_level_cache_bytes() -> int:
+    """The largest CPU cache this machine reports (Linux sysfs), or 64 MiB."""
+    sizes = []
+    for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = path.read_text().strip().upper()
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            sizes.append(int(digits) * scale)
+    return max(sizes, default=64 << 20)
+
+
+class Evictor:
+    """Pushes the model out of the CPU caches before each timed run (unless disabled).
+
+    A rollout node's weights are cold when a patch arrives, and a timed run right after
+    its setup (copying the model) would find part of it cached: on a server with a
+    large last-level cache (this VM reports 480 MiB) that flatters the scatter of an
+    apply most. Reading and writing a scratch buffer of twice that size evicts it.
+    """
+
+    def __init__(self) -> None:
+        self.scratch: NDArray[np.uint8] | None = None
+
+    def enable(self) -> None:
+        size = min(2 << 30, max(256 << 20, 2 * _last_level_cache_bytes()))
+        self.scratch = np.ones(size, dtype=np.uint8)
+
+    def __call__(self) -> None:
+        if self.scratch is not None:
+            self.scratch += 1
+
+
+EVICT = Evictor()
+
+
 def best(fn: Callable[[], T], repeat: int) -> tuple[float, T]:
     """(best wall time over ``repeat`` runs, the last result)."""
     return best_with(lambda _: fn(), lambda: None, repeat)
 
 
 def best_with(fn: Callable[[S], T], setup: Callable[[], S], repeat: int) -> tuple[float, T]:
-    """Like :func:`best`; ``setup`` runs untimed before each run and feeds it."""
+    """Like :func:`best`; ``setup`` runs untimed before each run and feeds it. The caches
+    are emptied (:class:`Evictor`) between the setup and the timed run."""
     times = []
     for _ in range(repeat):
         arg = setup()
+        EVICT()
         gc.collect()
         t = time.perf_counter()
         result = fn(arg)
@@ -401,14 +440,19 @@ def main() -> int:
     )
     parser.add_argument("--repeat", type=int, default=None, help="timed runs per figure; the best counts (default 3)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--warm", action="store_true", help="do not evict the CPU caches before timed runs (flatters apply)"
+    )
     parser.add_argument("--skip-real", action="store_true", help="only the synthetic model")
     args = parser.parse_args()
     args.steps = args.steps or (5 if args.quick else 6)
     args.warmup = args.warmup if args.warmup is not None else (2 if args.quick else 8)
     args.repeat = args.repeat or (1 if args.quick else 3)
+    if not args.warm:
+        EVICT.enable()
     gb = args.synthetic_gb or (0.25 if args.quick else 1.0)
     started = time.perf_counter()
-    results: dict[str, Any] = {"quick": args.quick, "repeat": args.repeat}
+    results: dict[str, Any] = {"quick": args.quick, "repeat": args.repeat, "cold_caches": not args.warm}
     print(HEADER)
     if not args.skip_real:
         with tempfile.TemporaryDirectory(prefix="bench-minilm-") as tmp:
