@@ -32,7 +32,7 @@ from patcher.decode import decode, shard_views
 from patcher.fingerprint import fingerprint, format_fingerprint, parse_fingerprint
 from patcher.fold import fold
 from patcher.format import DEFAULT_LIMITS, TensorInfo
-from patcher.patch import Patch, TensorSpec
+from patcher.patch import Patch, TensorSpec, check_layout
 from schemas.manifest import ManifestV1
 
 __all__ = ["Held", "SyncPlan", "SyncReport", "execute", "manifest_fingerprints", "manifest_specs", "plan"]
@@ -186,9 +186,7 @@ def _keyframe_tensors(
 def _check_transition(stored: StoredManifest, parent_fps: Mapping[str, int], infos: Mapping[str, TensorInfo]) -> None:
     """The patch's tensors are the manifest's layout, from the parent's fingerprints to its own."""
     manifest = stored.manifest
-    specs = manifest_specs(manifest)
-    if {name: info.spec for name, info in infos.items()} != specs:
-        raise CorruptData(f"version {stored.version}: the patch's tensors are not the manifest's")
+    check_layout({name: info.spec for name, info in infos.items()}, manifest_specs(manifest))
     target_fps = manifest_fingerprints(manifest)
     for name, info in infos.items():
         if info.base_fingerprint != parent_fps.get(name) or info.target_fingerprint != target_fps[name]:
@@ -197,7 +195,6 @@ def _check_transition(stored: StoredManifest, parent_fps: Mapping[str, int], inf
 
 def _transition(stored: StoredManifest, parent_fps: Mapping[str, int], shards: Sequence[bytes]) -> Patch:
     patch = decode(shards)
-    patch.check_layout(manifest_specs(stored.manifest))
     infos = {td.spec.name: TensorInfo(td.spec, td.base_fingerprint, td.target_fingerprint, td.changed) for td in patch}
     _check_transition(stored, parent_fps, infos)
     return patch

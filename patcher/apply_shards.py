@@ -2,17 +2,16 @@
 
 :func:`patcher.apply.apply` takes a decoded :class:`~patcher.patch.Patch`, whose int64
 indices and deltas (about 10 bytes per change) are written out and read back. Here the
-compiled fast path (patcher.native) decodes each entry's streams a batch at a time and
-adds each batch's deltas while prefetching the next batch's targets: nothing the size
-of the patch is materialised, and a rollout node one version behind (the steady state)
-applies what it downloaded at the speed of the scatter. Results, checks and errors are
-those of ``apply(decode(shards), ...)``, which is also what runs without the compiled
-path.
+compiled fast path (patcher.native) decodes each entry's streams a few hundred changes
+at a time into a buffer that stays in L1, and scatters them with prefetching: nothing
+the size of the patch is materialised, and entries run in parallel. Results, checks
+and errors are those of ``apply(decode(shards), ...)``, which is also what runs
+without the compiled path.
 
-Order, as decode then apply: every shard header is read and the set checked (one patch,
-exact coverage), every payload checksummed and decompressed and every escape decoded,
-then the targets and base fingerprints checked, all before a byte changes. A stream found invalid while
-applying, or a result that misses its target fingerprint, makes every change undone
+Order, as decode then apply: every shard header is read and the set checked (one
+patch, exact coverage), every payload checksummed and decompressed, then the targets
+and base fingerprints checked, all before a byte changes. A stream found invalid while
+applying, or a result that misses its target fingerprint, gets every change undone
 (each delta subtracted again, re-decoded from the same streams) before the error.
 """
 

@@ -32,7 +32,7 @@ _EMPTY_INDICES: Final = np.empty(0, dtype=np.int64)
 #: Outputs of the compiled diff are first sized for this share of the elements (1/256,
 #: above a one-step transition's few per mille), then grown from the density seen.
 _FIRST_CAPACITY_SHIFT: Final = 8
-#: Outputs smaller than this are not worth a second call.
+#: The smallest first guess: a second call costs more than this much spare room.
 _MIN_CAPACITY: Final = 1 << 12
 
 
@@ -144,7 +144,8 @@ def _native_changes(a: NDArray[np.unsignedinteger], b: NDArray[np.unsignedintege
     pos, found, fp = 0, 0, 0
     capacity = max(_MIN_CAPACITY, n >> _FIRST_CAPACITY_SHIFT)
     while True:
-        capacity = min(capacity, max(n - pos, _MIN_CAPACITY))
+        # Never more than what is left, never less than one block (64 bytes of elements).
+        capacity = max(64, min(capacity, n - pos))
         idx = np.empty(capacity, dtype=np.int64)
         was, delta = np.empty(capacity, dtype=dtype), np.empty(capacity, dtype=dtype)
         count, pos, change = native.speedups.diff(a, b, width, pos, idx, was, delta)
