@@ -499,17 +499,15 @@ static PyObject *py_check_changes(PyObject *self, PyObject *args) {
         long code = 0;
         Py_BEGIN_ALLOW_THREADS;
         /* The NumPy checks' order: the ends in range, then strictly increasing, then
-         * nonzero deltas. Whole-array reductions without early exits: they vectorise. */
+         * nonzero deltas. One pass of reductions without early exits. */
         if (n && (load_i64(ix) < 0 || load_i64(ix + 8 * (n - 1)) >= numel)) code = 1;
         if (code == 0) {
-            int unordered = 0;
-            for (Py_ssize_t k = 1; k < n; k++) unordered |= load_i64(ix + 8 * k) <= load_i64(ix + 8 * (k - 1));
-            if (unordered) code = 2;
-        }
-        if (code == 0) {
-            int zero = 0;
-            for (Py_ssize_t k = 0; k < n; k++) zero |= load(d + k * width, width) == 0;
-            if (zero) code = 3;
+            int unordered = 0, zero = n && load(d, width) == 0;
+            for (Py_ssize_t k = 1; k < n; k++) {
+                unordered |= load_i64(ix + 8 * k) <= load_i64(ix + 8 * (k - 1));
+                zero |= load(d + k * width, width) == 0;
+            }
+            code = unordered ? 2 : zero ? 3 : 0;
         }
         Py_END_ALLOW_THREADS;
         result = PyLong_FromLong(code);
@@ -900,8 +898,8 @@ static PyObject *py_encode_gaps(PyObject *self, PyObject *args) {
         unsigned char *low = b[1].buf, *codes = b[2].buf, *esc = b[3].buf;
         Py_ssize_t e = 0;
         Py_BEGIN_ALLOW_THREADS;
-        memset(codes, 0, (size_t)codes_size(n));
         uint64_t previous = (uint64_t)start - 1;
+        unsigned packed = 0; /* the codes of the current byte, stored once it is full */
         for (Py_ssize_t k = 0; k < n; k++) {
             uint64_t i = (uint64_t)load_i64(ix + 8 * k);
             uint64_t gap = i - previous, high = gap >> 8;
@@ -912,7 +910,11 @@ static PyObject *py_encode_gaps(PyObject *self, PyObject *args) {
                 memcpy(esc + 8 * e++, &v, 8);
                 high = ESCAPE;
             }
-            codes[k >> 2] |= (unsigned char)(high << (2 * (k & 3)));
+            packed |= (unsigned)high << (2 * (k & 3));
+            if ((k & 3) == 3 || k == n - 1) {
+                codes[k >> 2] = (unsigned char)packed;
+                packed = 0;
+            }
         }
         Py_END_ALLOW_THREADS;
         result = PyLong_FromSsize_t(e);
@@ -947,7 +949,7 @@ static PyObject *py_encode_deltas(PyObject *self, PyObject *args) {
         const int top = 8 * width - 1;
         Py_ssize_t e = 0;
         Py_BEGIN_ALLOW_THREADS;
-        memset(codes, 0, (size_t)codes_size(n));
+        unsigned packed = 0; /* the codes of the current byte, stored once it is full */
         for (Py_ssize_t k = 0; k < n; k++) {
             uint64_t delta = load(d + k * width, width);
             uint64_t z = ((delta << 1) ^ (0 - (delta >> top))) & mask;
@@ -957,7 +959,11 @@ static PyObject *py_encode_deltas(PyObject *self, PyObject *args) {
                 memcpy(esc + 8 * e++, &x, 8);
                 v = ESCAPE;
             }
-            codes[k >> 2] |= (unsigned char)(v << (2 * (k & 3)));
+            packed |= (unsigned)v << (2 * (k & 3));
+            if ((k & 3) == 3 || k == n - 1) {
+                codes[k >> 2] = (unsigned char)packed;
+                packed = 0;
+            }
         }
         Py_END_ALLOW_THREADS;
         result = PyLong_FromSsize_t(e);

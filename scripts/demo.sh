@@ -12,7 +12,8 @@ if [[ ! -x .venv/bin/python ]]; then
         || { echo "scripts/demo.sh: needs Python >= 3.11 (set PYTHON=...)" >&2; exit 1; }
     "$python" -m venv .venv
 fi
-stamp=".venv/.bulletin-core-$(sha256sum pyproject.toml | cut -c1-16)"
+# The compiled codec (patcher/_speedups.c) is built by the install: its source is in the stamp.
+stamp=".venv/.bulletin-core-$(cat pyproject.toml setup.py patcher/_speedups.c | sha256sum | cut -c1-16)"
 if [[ ! -f "$stamp" ]]; then
     .venv/bin/python -m pip install --quiet --upgrade pip
     .venv/bin/python -m pip install --quiet -e .

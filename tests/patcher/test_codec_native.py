@@ -18,7 +18,7 @@ from numpy.typing import NDArray
 
 from bulletin.errors import FormatError, IncompatibleTensors, InvalidInput, VerificationFailed, WrongBase
 from patcher import native
-from patcher.apply import PIECE, apply
+from patcher.apply import PARALLEL_MIN, apply
 from patcher.apply_shards import apply_shards
 from patcher.decode import decode
 from patcher.diff import diff
@@ -134,13 +134,13 @@ def test_apply_shards_is_decode_then_apply(max_shard_bytes: int, threads: int) -
 
 
 def test_apply_shards_in_parallel_on_a_large_patch() -> None:
-    # Enough changes for the thread pool (PIECE), in entries of several tensors.
+    # Enough changes for the thread pool (PARALLEL_MIN), in entries of several tensors.
     rng = np.random.default_rng(3)
-    specs = {f"w{i}": TensorSpec(f"w{i}", "BF16", (1 << 18,)) for i in range(4)}
+    specs = {f"w{i}": TensorSpec(f"w{i}", "BF16", (1 << 19,)) for i in range(4)}
     old = {n: random_bits(rng, "BF16", s.shape) for n, s in specs.items()}
     new = {n: mutate(rng, old[n], 0.2, "BF16") for n in specs}
     patch = diff(specs, old, new)
-    assert patch.changed_elements > 2 * PIECE
+    assert patch.changed_elements > PARALLEL_MIN
     for threads in (1, 4):
         held = _copy(old)
         apply_shards(encode(patch, max_shard_bytes=1 << 16), held, fingerprints(old), threads=threads)
