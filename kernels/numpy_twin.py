@@ -30,7 +30,7 @@ from patcher.cast import cast_bits
 from patcher.diff import diff_bits
 from patcher.dtypes import bits_dtype
 from patcher.fingerprint import fingerprint as _fingerprint
-from patcher.fingerprint import fingerprint_delta
+from patcher.fingerprint_update import fingerprint_change
 from patcher.patch import Patch
 
 __all__ = ["CHUNK_ELEMENTS", "apply", "apply_delta", "cast", "decode_gaps", "diff_cast", "fingerprint"]
@@ -83,7 +83,7 @@ def diff_cast(current: BitsArray, kept: BitsArray, *, current_dtype: str, served
             continue
         now = new[idx]
         global_idx = idx + start
-        fp += fingerprint_delta(global_idx, dst[idx], now)
+        fp += fingerprint_change(global_idx, dst[idx], now)
         dst[idx] = now
         index_parts.append(global_idx)
         delta_parts.append(delta)
@@ -134,7 +134,7 @@ def apply_delta(bits: BitsArray, indices: IndexArray, delta: BitsArray) -> int:
         i = idx[start : start + CHUNK_ELEMENTS]
         old = flat[i]
         new = old + d[start : start + CHUNK_ELEMENTS]  # unsigned arrays wrap, as intended
-        fp += fingerprint_delta(i, old, new)
+        fp += fingerprint_change(i, old, new)
         flat[i] = new
     return fp & _MASK64
 

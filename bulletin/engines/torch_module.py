@@ -43,7 +43,8 @@ from bulletin.errors import (
     WrongBase,
 )
 from kernels.dispatch import DTYPE_NAMES
-from patcher.fingerprint import fingerprint_delta, format_fingerprint
+from patcher.fingerprint import format_fingerprint
+from patcher.fingerprint_update import fingerprint_change
 from patcher.names import check_tensor_name
 from patcher.patch import Patch, TensorDelta, TensorSpec
 
@@ -435,7 +436,7 @@ class TorchTarget:
             if slot.on_cpu:
                 old = slot.bits.reshape(-1)[td.indices]
                 values = old + td.delta  # unsigned: wraps, as deltas are defined
-                new[name] = (new[name] + fingerprint_delta(td.indices, old, values)) & _MASK64
+                new[name] = (new[name] + fingerprint_change(td.indices, old, values)) & _MASK64
                 if new[name] != td.target_fingerprint:
                     raise VerificationFailed(
                         f"{name}: the patched bits would fingerprint to {format_fingerprint(new[name])}, "
