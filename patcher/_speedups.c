@@ -875,6 +875,27 @@ done:
     return result;
 }
 
+/* Writes small values as packed 2-bit codes min(v, 3), and v - 3 of each escape as a
+ * uint64; each code byte is stored once, when full (or at the last value). */
+typedef struct {
+    unsigned char *codes, *esc;
+    Py_ssize_t escapes;
+    unsigned packed;
+} CodeWriter;
+
+static inline void put_small(CodeWriter *w, Py_ssize_t k, Py_ssize_t n, uint64_t v) {
+    if (v >= ESCAPE) {
+        const uint64_t stored = v - ESCAPE;
+        memcpy(w->esc + 8 * w->escapes++, &stored, 8);
+        v = ESCAPE;
+    }
+    w->packed |= (unsigned)v << (2 * (k & 3));
+    if ((k & 3) == 3 || k == n - 1) {
+        w->codes[k >> 2] = (unsigned char)w->packed;
+        w->packed = 0;
+    }
+}
+
 PyDoc_STRVAR(encode_gaps_doc,
              "encode_gaps(indices, start, low_out, codes_out, escaped_out) -> int\n\n"
              "The gap bytes of sorted unique int64 indices (all >= start): low bytes, packed 2-bit\n"
@@ -895,29 +916,18 @@ static PyObject *py_encode_gaps(PyObject *self, PyObject *args) {
         goto done;
     {
         const unsigned char *ix = b[0].buf;
-        unsigned char *low = b[1].buf, *codes = b[2].buf, *esc = b[3].buf;
-        Py_ssize_t e = 0;
+        unsigned char *low = b[1].buf;
+        CodeWriter w = {b[2].buf, b[3].buf, 0, 0};
         Py_BEGIN_ALLOW_THREADS;
         uint64_t previous = (uint64_t)start - 1;
-        unsigned packed = 0; /* the codes of the current byte, stored once it is full */
         for (Py_ssize_t k = 0; k < n; k++) {
-            uint64_t i = (uint64_t)load_i64(ix + 8 * k);
-            uint64_t gap = i - previous, high = gap >> 8;
+            const uint64_t i = (uint64_t)load_i64(ix + 8 * k), gap = i - previous;
             previous = i;
             low[k] = (unsigned char)gap;
-            if (high >= ESCAPE) {
-                uint64_t v = high - ESCAPE;
-                memcpy(esc + 8 * e++, &v, 8);
-                high = ESCAPE;
-            }
-            packed |= (unsigned)high << (2 * (k & 3));
-            if ((k & 3) == 3 || k == n - 1) {
-                codes[k >> 2] = (unsigned char)packed;
-                packed = 0;
-            }
+            put_small(&w, k, n, gap >> 8);
         }
         Py_END_ALLOW_THREADS;
-        result = PyLong_FromSsize_t(e);
+        result = PyLong_FromSsize_t(w.escapes);
     }
 done:
     release(b, 4);
@@ -944,29 +954,17 @@ static PyObject *py_encode_deltas(PyObject *self, PyObject *args) {
         goto done;
     {
         const unsigned char *d = b[0].buf;
-        unsigned char *codes = b[1].buf, *esc = b[2].buf;
         const uint64_t mask = width_mask(width);
         const int top = 8 * width - 1;
-        Py_ssize_t e = 0;
+        CodeWriter w = {b[1].buf, b[2].buf, 0, 0};
         Py_BEGIN_ALLOW_THREADS;
-        unsigned packed = 0; /* the codes of the current byte, stored once it is full */
         for (Py_ssize_t k = 0; k < n; k++) {
-            uint64_t delta = load(d + k * width, width);
-            uint64_t z = ((delta << 1) ^ (0 - (delta >> top))) & mask;
-            uint64_t v = (z - 1) & mask;
-            if (v >= ESCAPE) {
-                uint64_t x = v - ESCAPE;
-                memcpy(esc + 8 * e++, &x, 8);
-                v = ESCAPE;
-            }
-            packed |= (unsigned)v << (2 * (k & 3));
-            if ((k & 3) == 3 || k == n - 1) {
-                codes[k >> 2] = (unsigned char)packed;
-                packed = 0;
-            }
+            const uint64_t delta = load(d + k * width, width);
+            const uint64_t z = ((delta << 1) ^ (0 - (delta >> top))) & mask;
+            put_small(&w, k, n, (z - 1) & mask);
         }
         Py_END_ALLOW_THREADS;
-        result = PyLong_FromSsize_t(e);
+        result = PyLong_FromSsize_t(w.escapes);
     }
 done:
     release(b, 3);
