@@ -15,7 +15,7 @@ import numpy as np
 from bulletin.errors import IncompatibleTensors, InvalidInput, WrongBase
 from patcher.cast import CastKind, cast_kind
 from patcher.dtypes import BITS_DTYPES, bits_dtype
-from patcher.patch import Patch
+from patcher.patch import Patch, check_names
 
 __all__ = [
     "check_apply",
@@ -92,10 +92,7 @@ def check_patch_targets(patch: Patch, tensors: Mapping[str, Any], fingerprints: 
     writable C-contiguous bits array of the spec's width and shape, and ``fingerprints``
     the base fingerprint of each (``WrongBase`` otherwise).
     """
-    if tensors.keys() != patch.tensors.keys():
-        missing = sorted(patch.tensors.keys() - tensors.keys())[:5]
-        extra = sorted(tensors.keys() - patch.tensors.keys())[:5]
-        raise IncompatibleTensors(f"tensor sets differ: missing {missing}, unexpected {extra}")
+    check_names(patch.tensors, tensors, "tensor sets differ")
     for name, td in patch.tensors.items():
         array = tensors[name]
         check_bits(array, name, dtype=td.spec.dtype, writable=True)

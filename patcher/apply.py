@@ -24,7 +24,7 @@ from bulletin.errors import IncompatibleTensors, InvalidInput, VerificationFaile
 from patcher import native
 from patcher.fingerprint import format_fingerprint
 from patcher.fingerprint_update import fingerprint_change
-from patcher.patch import Patch, TensorDelta, TensorSpec
+from patcher.patch import Patch, TensorDelta, TensorSpec, check_names
 
 __all__ = [
     "BLOCK",
@@ -67,10 +67,7 @@ def check_targets(
 ) -> dict[str, NDArray[np.unsignedinteger]]:
     """Writable flat bits views of ``tensors``, which must be exactly the tensors of ``specs``
     (``IncompatibleTensors`` / ``InvalidInput`` otherwise)."""
-    if tensors.keys() != specs.keys():
-        missing = sorted(specs.keys() - tensors.keys())[:5]
-        extra = sorted(tensors.keys() - specs.keys())[:5]
-        raise IncompatibleTensors(f"tensor sets differ: missing {missing}, unexpected {extra}")
+    check_names(specs, tensors, "tensor sets differ")
     targets: dict[str, NDArray[np.unsignedinteger]] = {}
     for name, spec in specs.items():
         array = tensors[name]

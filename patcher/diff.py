@@ -19,7 +19,7 @@ from bulletin.errors import IncompatibleTensors, InvalidInput
 from patcher import native
 from patcher.fingerprint import fingerprint
 from patcher.fingerprint_update import fingerprint_change
-from patcher.patch import Patch, TensorDelta, TensorSpec
+from patcher.patch import Patch, TensorDelta, TensorSpec, check_names
 
 __all__ = ["CHUNK_WORDS", "as_bits", "diff", "diff_bits"]
 
@@ -190,10 +190,7 @@ def diff_bits(
 
 
 def _check_fingerprints(specs: Mapping[str, TensorSpec], base_fingerprints: Mapping[str, int]) -> None:
-    if base_fingerprints.keys() != specs.keys():
-        missing = sorted(specs.keys() - base_fingerprints.keys())[:5]
-        extra = sorted(base_fingerprints.keys() - specs.keys())[:5]
-        raise IncompatibleTensors(f"base fingerprints do not match the tensors: missing {missing}, unexpected {extra}")
+    check_names(specs, base_fingerprints, "base fingerprints do not match the tensors")
     for name, fp in base_fingerprints.items():
         if not isinstance(fp, int) or isinstance(fp, bool) or not 0 <= fp < 1 << 64:
             raise InvalidInput(f"{name}: base fingerprint must be an int in [0, 2**64)")
@@ -219,10 +216,7 @@ def diff(
         if not isinstance(spec, TensorSpec) or spec.name != name:
             raise InvalidInput(f"specs[{name!r}] must be the TensorSpec named {name!r}")
     for role, tensors in (("old", old), ("new", new)):
-        if tensors.keys() != specs.keys():
-            missing = sorted(specs.keys() - tensors.keys())[:5]
-            extra = sorted(tensors.keys() - specs.keys())[:5]
-            raise IncompatibleTensors(f"{role} tensors: missing {missing}, unexpected {extra}")
+        check_names(specs, tensors, f"{role} tensors")
     if base_fingerprints is not None:
         _check_fingerprints(specs, base_fingerprints)
     # Validate every array before the expensive work so bad input fails fast.

@@ -22,7 +22,7 @@ from patcher import native
 from patcher.dtypes import bits_dtype, dtype_width
 from patcher.names import check_tensor_name
 
-__all__ = ["Patch", "TensorDelta", "TensorSpec", "check_layout"]
+__all__ = ["Patch", "TensorDelta", "TensorSpec", "check_layout", "check_names"]
 
 _INT64_MAX = (1 << 63) - 1
 #: What native check_changes' codes mean, in the words of the NumPy checks.
@@ -154,12 +154,18 @@ class Patch:
         check_layout(self.specs, specs)
 
 
+def check_names(expected: Mapping[str, object], given: Mapping[str, object], what: str) -> None:
+    """``IncompatibleTensors`` ("<what>: missing [...], unexpected [...]", five of each at
+    most) unless ``given`` has exactly the keys of ``expected``."""
+    if given.keys() != expected.keys():
+        missing = sorted(expected.keys() - given.keys())[:5]
+        extra = sorted(given.keys() - expected.keys())[:5]
+        raise IncompatibleTensors(f"{what}: missing {missing}, unexpected {extra}")
+
+
 def check_layout(mine: Mapping[str, TensorSpec], specs: Mapping[str, TensorSpec]) -> None:
     """Raise ``IncompatibleTensors`` unless a patch's layout ``mine`` is exactly ``specs``."""
-    if mine.keys() != specs.keys():
-        missing = sorted(mine.keys() - specs.keys())[:5]
-        extra = sorted(specs.keys() - mine.keys())[:5]
-        raise IncompatibleTensors(f"tensor sets differ: missing {missing}, unexpected {extra}")
+    check_names(mine, specs, "tensor sets differ")
     for name, spec in specs.items():
         if spec != mine[name]:
             raise IncompatibleTensors(

@@ -46,7 +46,7 @@ from kernels.dispatch import DTYPE_NAMES
 from patcher.fingerprint import format_fingerprint
 from patcher.fingerprint_update import fingerprint_change
 from patcher.names import check_tensor_name
-from patcher.patch import Patch, TensorDelta, TensorSpec
+from patcher.patch import Patch, TensorDelta, TensorSpec, check_names
 
 if TYPE_CHECKING:
     import torch
@@ -498,10 +498,7 @@ class TorchTarget:
 
 
 def _check_same_layout(given: Mapping[str, TensorSpec], held: Mapping[str, TensorSpec]) -> None:
-    if given.keys() != held.keys():
-        missing = sorted(held.keys() - given.keys())[:5]
-        extra = sorted(given.keys() - held.keys())[:5]
-        raise IncompatibleTensors(f"tensor sets differ from the engine's: missing {missing}, unexpected {extra}")
+    check_names(held, given, "tensor sets differ from the engine's")
     for name, spec in given.items():
         mine = held[name]
         if spec != mine:

@@ -104,14 +104,18 @@ class MemoryStore(StoreBase):
         # Called under the bucket lock, which also orders the counter's values.
         return _Entry(data, f"m{next(_etags)}", datetime.now(UTC))
 
-    def get(self, key: str) -> ObjectData:
-        """The object's bytes and ETag; ``NotFound`` if absent."""
+    def _entry(self, key: str) -> _Entry:
         self._check_open()
         full = join_key(self._prefix, key)
         with self._bucket.lock:
             entry = self._bucket.objects.get(full)
         if entry is None:
             raise NotFound(f"{self.url}: no object {key!r}")
+        return entry
+
+    def get(self, key: str) -> ObjectData:
+        """The object's bytes and ETag; ``NotFound`` if absent."""
+        entry = self._entry(key)
         return ObjectData(entry.data, entry.etag)
 
     def get_if_changed(self, key: str, etag: str | None) -> ObjectData | None:
@@ -123,12 +127,7 @@ class MemoryStore(StoreBase):
 
     def stat(self, key: str) -> ObjectInfo:
         """Size, ETag and modification time; ``NotFound`` if absent."""
-        self._check_open()
-        full = join_key(self._prefix, key)
-        with self._bucket.lock:
-            entry = self._bucket.objects.get(full)
-        if entry is None:
-            raise NotFound(f"{self.url}: no object {key!r}")
+        entry = self._entry(key)
         return ObjectInfo(key, len(entry.data), entry.etag, entry.modified)
 
     def put_if_absent(self, key: str, data: bytes) -> WriteResult:
