@@ -6,9 +6,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
-from bulletin.chain import Board, StoredManifest
 from bulletin.errors import BulletinError, InvalidInput, VersionNotFound
-from bulletin.layout import version_of_data_key
+from bulletin.keyspace import version_of_data_key
+from bulletin.run import Run, StoredManifest
 from bulletin.sync import Held, SyncPlan, execute, manifest_fingerprints
 from bulletin.target import ArrayTarget
 
@@ -54,12 +54,12 @@ def _entry(stored: StoredManifest) -> LogEntry:
     )
 
 
-def log(board: Board, *, limit: int | None = None) -> list[LogEntry]:
+def log(run: Run, *, limit: int | None = None) -> list[LogEntry]:
     """The chain, newest first (``limit`` newest versions)."""
-    versions = board.versions()
+    versions = run.versions()
     if limit is not None:
         versions = versions[-limit:] if limit > 0 else []
-    return [_entry(s) for s in reversed(board.read_manifests(versions))]
+    return [_entry(s) for s in reversed(run.read_manifests(versions))]
 
 
 @dataclass(slots=True)
@@ -78,18 +78,18 @@ class VerifyReport:
         return not self.problems
 
 
-def verify(board: Board, *, progress: Callable[[int], None] | None = None) -> VerifyReport:
+def verify(run: Run, *, progress: Callable[[int], None] | None = None) -> VerifyReport:
     """Check the whole run: every digest, every link of the hash chain, the head, and
     every version's bits (rebuilt from the oldest keyframe, fingerprints recomputed in
     full). Problems are collected, not raised; reconstruction restarts at the next
     keyframe after a broken version."""
     report = VerifyReport()
-    versions = board.versions()
+    versions = run.versions()
     if not versions:
-        raise VersionNotFound(f"{board.run}: the run has no version")
-    manifests = board.read_manifests(versions)
+        raise VersionNotFound(f"{run.name}: the run has no version")
+    manifests = run.read_manifests(versions)
     report.versions = len(manifests)
-    head = board.read_head()
+    head = run.read_head()
     if head is None:
         report.problems.append("the run has versions but no head")
     else:
@@ -112,16 +112,16 @@ def verify(board: Board, *, progress: Callable[[int], None] | None = None) -> Ve
     for stored in manifests:
         try:
             if held is not None and stored.manifest.patch is not None and held.version == stored.version - 1:
-                report.bytes_read += execute(board, SyncPlan(stored, None, (stored,)), target, held).bytes_downloaded
+                report.bytes_read += execute(run, SyncPlan(stored, None, (stored,)), target, held).bytes_downloaded
                 report.transitions += 1
                 held = Held(stored.version, manifest_fingerprints(stored.manifest))
                 if stored.manifest.keyframe is not None:  # check the keyframe copy on its own too
                     report.bytes_read += execute(
-                        board, SyncPlan(stored, stored, ()), ArrayTarget(), None
+                        run, SyncPlan(stored, stored, ()), ArrayTarget(), None
                     ).bytes_downloaded
                     report.keyframes += 1
             elif stored.manifest.keyframe is not None:
-                report.bytes_read += execute(board, SyncPlan(stored, stored, ()), target, None).bytes_downloaded
+                report.bytes_read += execute(run, SyncPlan(stored, stored, ()), target, None).bytes_downloaded
                 report.keyframes += 1
                 held = Held(stored.version, manifest_fingerprints(stored.manifest))
             else:
@@ -153,7 +153,7 @@ class GcReport:
 
 
 def collect_garbage(
-    board: Board,
+    run: Run,
     *,
     keep: int,
     dry_run: bool = False,
@@ -168,40 +168,40 @@ def collect_garbage(
     """
     if keep < 1:
         raise InvalidInput("keep must be at least 1")
-    versions = board.versions()
+    versions = run.versions()
     if not versions:
-        raise VersionNotFound(f"{board.run}: the run has no version")
+        raise VersionNotFound(f"{run.name}: the run has no version")
     tip = versions[-1]
     want = max(versions[0], tip - keep + 1)
     floor = want
     while True:
-        stored = board.read_manifest(floor)
+        stored = run.read_manifest(floor)
         if stored.manifest.keyframe is not None:
             break
         if floor == versions[0]:
-            raise VersionNotFound(f"{board.run}: no keyframe at or below version {want}; nothing is safe to remove")
+            raise VersionNotFound(f"{run.name}: no keyframe at or below version {want}; nothing is safe to remove")
         floor -= 1
-    kept = board.read_manifests([v for v in versions if v >= floor])
+    kept = run.read_manifests([v for v in versions if v >= floor])
     referenced: set[str] = set()
     for s in kept:
         m = s.manifest
-        referenced.update(board.key(r.key) for r in (m.patch.shards if m.patch else ()))
-        referenced.update(board.key(r.key) for r in (m.keyframe.files if m.keyframe else ()))
+        referenced.update(run.key(r.key) for r in (m.patch.shards if m.patch else ()))
+        referenced.update(run.key(r.key) for r in (m.keyframe.files if m.keyframe else ()))
     report = GcReport(floor=floor, tip=tip, dry_run=dry_run)
-    report.deleted_manifests = [board.key(f"manifests/{v:020d}.json") for v in versions if v < floor]
+    report.deleted_manifests = [run.key(f"manifests/{v:020d}.json") for v in versions if v < floor]
     cutoff = datetime.now(UTC) - grace
     for prefix in ("patches/", "keyframes/"):
-        for info in board.objects(prefix):
+        for info in run.objects(prefix):
             if info.key in referenced:
                 continue
-            version = version_of_data_key(info.key[len(board.root) :])
+            version = version_of_data_key(info.key[len(run.root) :])
             old_enough = info.last_modified is not None and info.last_modified < cutoff
             if (version is not None and version < floor) or old_enough:
                 report.deleted_objects.append(info.key)
                 report.deleted_bytes += info.size
     if not dry_run:
         for key in report.deleted_manifests:
-            board.store.delete(key)
+            run.store.delete(key)
         for key in report.deleted_objects:
-            board.store.delete(key)
+            run.store.delete(key)
     return report

@@ -30,11 +30,11 @@ from typing import Any, Final, Self
 import numpy as np
 from numpy.typing import NDArray
 
-from bulletin.chain import Board, StoredManifest, sha256_hex
 from bulletin.checkpoint import INDEX_NAME, Checkpoint, hf_index, plan_checkpoint, safetensors_bytes
 from bulletin.device_kept import DeviceKept
 from bulletin.errors import ConfigError, InvalidInput
-from bulletin.layout import keyframe_prefix, patch_shard_key
+from bulletin.keyspace import keyframe_prefix, patch_shard_key
+from bulletin.run import Run, StoredManifest, sha256_hex
 from bulletin.snapshot import SERVED_FLOAT_DTYPES, Snapshot, snapshot
 from bulletin.storage import Store, open_store
 from bulletin.sync import execute, manifest_fingerprints, manifest_specs, plan
@@ -99,7 +99,7 @@ class Publisher:
             raise ConfigError(f"codec must be 'zstd' or 'lz4', not {codec!r}")
         if queue_size < 1 or max_shard_bytes < 1 << 10 or keyframe_file_bytes < 1 << 10:
             raise ConfigError("queue_size >= 1; max_shard_bytes and keyframe_file_bytes >= 1 KiB")
-        self._board = Board(
+        self._run = Run(
             open_store(store) if isinstance(store, str | os.PathLike) else store, run, max_workers=max_workers
         )
         self.dtype = dtype
@@ -124,7 +124,7 @@ class Publisher:
 
     @property
     def run(self) -> str:
-        return self._board.run
+        return self._run.name
 
     @property
     def version(self) -> int | None:
@@ -242,13 +242,13 @@ class Publisher:
     def _resume(self) -> None:
         """Continue the run from its newest committed version (after a restart)."""
         self._resumed = True
-        tip = self._board.tip()
+        tip = self._run.tip()
         if tip is None:
             return
         self._next_version = tip.version + 1
-        self._board.advance_head(tip)  # a crash may have left the head behind a commit
+        self._run.advance_head(tip)  # a crash may have left the head behind a commit
         held = ArrayTarget()
-        execute(self._board, plan(self._board, tip, None), held, None)
+        execute(self._run, plan(self._run, tip, None), held, None)
         specs = manifest_specs(tip.manifest)
         self._kept = _Kept(specs, dict(held.arrays), manifest_fingerprints(tip.manifest), tip)
 
@@ -290,7 +290,7 @@ class Publisher:
             ),
             metadata=metadata,
         )
-        stored = self._board.commit(manifest)  # raises VersionConflict for a stale trainer
+        stored = self._run.commit(manifest)  # raises VersionConflict for a stale trainer
         # Host bits of tensors diffed on the device go stale; the device keeps them.
         self._kept = _Kept(dict(snap.specs), snap.bits, fps, stored)
         result = PublishResult(
@@ -332,27 +332,27 @@ class Publisher:
             key = patch_shard_key(version, digest)
             refs.append(ObjectRef(key=key, size=len(data), sha256=digest))
             items[key] = data
-        self._board.upload(items, self._on_bytes)
+        self._run.upload(items, self._on_bytes)
         return PatchRef(codec=self.codec, shards=tuple(refs), changed_elements=patch.changed_elements)  # type: ignore[arg-type]
 
     def _upload_keyframe(self, version: int, snap: Snapshot) -> KeyframeRef:
         prefix = keyframe_prefix(version, self.writer)
-        layout = plan_checkpoint(snap.specs, self.keyframe_file_bytes)
+        file_plan = plan_checkpoint(snap.specs, self.keyframe_file_bytes)
 
         def upload_one(file_name: str, content: bytes) -> ObjectRef:
             key = f"{prefix}/{file_name}"
-            self._board.upload({key: content}, self._on_bytes)
+            self._run.upload({key: content}, self._on_bytes)
             return ObjectRef(key=key, size=len(content), sha256=sha256_hex(content))
 
         # Files are built inside the workers so that at most `workers` of them are in memory.
-        workers = max(1, min(4, self._board.max_workers))
+        workers = max(1, min(4, self._run.max_workers))
 
         def build_and_upload(file_name: str, shard: list[TensorSpec]) -> ObjectRef:
             return upload_one(file_name, safetensors_bytes(shard, snap.bits))
 
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            futures = [pool.submit(build_and_upload, file_name, shard) for file_name, shard in layout]
+            futures = [pool.submit(build_and_upload, file_name, shard) for file_name, shard in file_plan]
             refs = [f.result() for f in futures]
-        if len(layout) > 1:
-            refs.append(upload_one(INDEX_NAME, hf_index(layout)))
+        if len(file_plan) > 1:
+            refs.append(upload_one(INDEX_NAME, hf_index(file_plan)))
         return KeyframeRef(prefix=prefix, files=tuple(refs))

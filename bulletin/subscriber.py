@@ -17,8 +17,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
-from bulletin.chain import Board, StoredManifest
 from bulletin.errors import ConfigError, VersionNotFound
+from bulletin.run import Run, StoredManifest
 from bulletin.storage import Store, open_store
 from bulletin.sync import Held, SyncReport, execute, manifest_fingerprints, plan
 from bulletin.target import ArrayTarget, LocalDirTarget, WeightTarget
@@ -65,7 +65,7 @@ class Subscriber:
     ) -> None:
         if local_dir is not None and target is not None:
             raise ConfigError("give either local_dir or target, not both")
-        self._board = Board(_as_store(store), run, max_workers=max_workers)
+        self._run = Run(_as_store(store), run, max_workers=max_workers)
         if target is None:
             target = LocalDirTarget(Path(local_dir), run=run) if local_dir is not None else ArrayTarget()
         self.target: WeightTarget = target
@@ -79,11 +79,12 @@ class Subscriber:
 
     @property
     def run(self) -> str:
-        return self._board.run
+        return self._run.name
 
     @property
-    def board(self) -> Board:
-        return self._board
+    def source(self) -> Run:
+        """The run this subscriber reads, in its store."""
+        return self._run
 
     @property
     def current_version(self) -> int | None:
@@ -94,7 +95,7 @@ class Subscriber:
     def head_version(self) -> int | None:
         """The run's newest version per its head: one conditional GET, tiny when unchanged."""
         self.stats.polls += 1
-        polled = self._board.poll_head(self._head_etag)
+        polled = self._run.poll_head(self._head_etag)
         if polled is not None:
             self._head_etag = polled.etag
             self._head_version = polled.head.version
@@ -102,13 +103,13 @@ class Subscriber:
 
     def _target_manifest(self, version: int | None) -> StoredManifest:
         if version is None:
-            tip = self._board.tip()
+            tip = self._run.tip()
             if tip is None:
                 raise VersionNotFound(f"{self.run}: the run has no version yet")
             return tip
         if not isinstance(version, int) or isinstance(version, bool) or version < 1:
             raise ConfigError(f"version must be a positive integer, not {version!r}")
-        return self._board.read_manifest(version)
+        return self._run.read_manifest(version)
 
     def _activated(self, stored: StoredManifest) -> None:
         self._held = Held(stored.version, manifest_fingerprints(stored.manifest))
@@ -122,9 +123,9 @@ class Subscriber:
         with self._lock:
             try:
                 stored = self._target_manifest(version)
-                route = plan(self._board, stored, self._held)
+                route = plan(self._run, stored, self._held)
                 report = execute(
-                    self._board,
+                    self._run,
                     route,
                     self.target,
                     self._held,

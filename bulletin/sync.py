@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 import numpy as np
 from numpy.typing import NDArray
 
-from bulletin.chain import Board, StoredManifest
 from bulletin.checkpoint import INDEX_NAME, parse_safetensors_header
 from bulletin.errors import (
     CorruptData,
@@ -27,6 +26,7 @@ from bulletin.errors import (
     VersionNotFound,
     WrongBase,
 )
+from bulletin.run import Run, StoredManifest
 from bulletin.target import ShardTarget, WeightTarget
 from patcher.decode import decode, shard_views
 from patcher.fingerprint import fingerprint, format_fingerprint, parse_fingerprint
@@ -95,29 +95,27 @@ def _check_link(parent: StoredManifest, child: StoredManifest) -> None:
         )
 
 
-def _walk_to_keyframe(board: Board, newest: StoredManifest, floor: int) -> list[StoredManifest]:
+def _walk_to_keyframe(run: Run, newest: StoredManifest, floor: int) -> list[StoredManifest]:
     """Manifests from the newest keyframe at or below ``newest`` up to ``newest``, ascending."""
     chain = [newest]
     while chain[0].manifest.keyframe is None:
         low = chain[0].version - 1
         if low < floor:
-            raise VersionNotFound(
-                f"{board.run}: no keyframe at or below version {newest.version} is left in the bucket"
-            )
+            raise VersionNotFound(f"{run.name}: no keyframe at or below version {newest.version} is left in the bucket")
         versions = list(range(max(floor, low - _WALK_BATCH + 1), low + 1))
         try:
-            older = board.read_manifests(versions)
+            older = run.read_manifests(versions)
         except VersionNotFound:
             # Garbage collection removed the oldest ones: take what is left, newest first.
             older = []
             for version in reversed(versions):
                 try:
-                    older.insert(0, board.read_manifest(version))
+                    older.insert(0, run.read_manifest(version))
                 except VersionNotFound:
                     break
             if not older:
                 raise VersionNotFound(
-                    f"{board.run}: no keyframe at or below version {newest.version} is left in the bucket"
+                    f"{run.name}: no keyframe at or below version {newest.version} is left in the bucket"
                 ) from None
             floor = older[0].version  # nothing below a missing version can be reached
         for stored in reversed(older):
@@ -128,13 +126,13 @@ def _walk_to_keyframe(board: Board, newest: StoredManifest, floor: int) -> list[
     return chain
 
 
-def plan(board: Board, target: StoredManifest, held: Held | None) -> SyncPlan:
+def plan(run: Run, target: StoredManifest, held: Held | None) -> SyncPlan:
     """Choose the cheapest verified route from ``held`` to ``target``."""
     if held is not None and held.version == target.version:
         return SyncPlan(target, None, ())
     if held is not None and held.version < target.version:
         try:
-            span = board.read_manifests(list(range(held.version, target.version)))
+            span = run.read_manifests(list(range(held.version, target.version)))
         except VersionNotFound:
             span = []  # garbage-collected: start from a keyframe
         if span and manifest_fingerprints(span[0].manifest) == held.fingerprints:
@@ -152,18 +150,18 @@ def plan(board: Board, target: StoredManifest, held: Held | None) -> SyncPlan:
                 if kf_route.download_bytes < patch_route.download_bytes:
                     return kf_route
             return patch_route
-    chain = _walk_to_keyframe(board, target, floor=1)
+    chain = _walk_to_keyframe(run, target, floor=1)
     return SyncPlan(target, chain[0], tuple(chain[1:]))
 
 
 def _keyframe_tensors(
-    board: Board, stored: StoredManifest, on_bytes: Callable[[int], None] | None
+    run: Run, stored: StoredManifest, on_bytes: Callable[[int], None] | None
 ) -> tuple[dict[str, NDArray[np.unsignedinteger]], int]:
     ref = stored.manifest.keyframe
     if ref is None:
         raise InvalidInput(f"version {stored.version} has no keyframe")
     files = [f for f in ref.files if not f.key.endswith(INDEX_NAME)]
-    blobs = board.download(files, on_bytes)
+    blobs = run.download(files, on_bytes)
     specs = manifest_specs(stored.manifest)
     out: dict[str, NDArray[np.unsignedinteger]] = {}
     for f, data in zip(files, blobs, strict=True):
@@ -225,7 +223,7 @@ def _apply_and_activate(target: WeightTarget, stored: StoredManifest, apply: Cal
 
 
 def execute(
-    board: Board,
+    run: Run,
     sync_plan: SyncPlan,
     target: WeightTarget,
     held: Held | None,
@@ -245,7 +243,7 @@ def execute(
     current = held
     if sync_plan.keyframe is not None:
         t0 = time.perf_counter()
-        tensors, nbytes = _keyframe_tensors(board, sync_plan.keyframe, on_bytes)
+        tensors, nbytes = _keyframe_tensors(run, sync_plan.keyframe, on_bytes)
         report.download_s += time.perf_counter() - t0
         report.bytes_downloaded += nbytes
         t1 = time.perf_counter()
@@ -266,7 +264,7 @@ def execute(
         raise InvalidInput("a patch route needs a held version or a keyframe")
     t0 = time.perf_counter()
     refs = [ref for step in sync_plan.patches for ref in (step.manifest.patch.shards if step.manifest.patch else ())]
-    blobs = board.download(refs, on_bytes)
+    blobs = run.download(refs, on_bytes)
     report.download_s += time.perf_counter() - t0
     report.bytes_downloaded += sum(len(b) for b in blobs)
     t1 = time.perf_counter()

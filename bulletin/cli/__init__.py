@@ -14,7 +14,7 @@ from typing import Final
 import click
 
 from bulletin import __version__
-from bulletin.cli.board import (
+from bulletin.cli.bucket import (
     gc_command,
     log_command,
     publish_command,

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from bulletin.chain import parse_head, parse_manifest, sha256_hex
 from bulletin.errors import FormatError, UnsupportedFormatVersion
+from bulletin.run import parse_head, parse_manifest, sha256_hex
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "documents"
 

@@ -20,9 +20,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from bulletin import Publisher, Subscriber
-from bulletin.chain import Board
 from bulletin.errors import VersionNotFound
 from bulletin.maintenance import collect_garbage
+from bulletin.run import Run
 from bulletin.storage import open_store
 from bulletin.target import ArrayTarget, LocalDirTarget
 from patcher.cast import cast_bits
@@ -92,16 +92,16 @@ class ChainMachine(RuleBasedStateMachine):
     @precondition(lambda self: len(self.model) > 2)
     @rule(keep=st.integers(min_value=1, max_value=4))
     def gc(self, keep: int) -> None:
-        report = collect_garbage(Board(open_store(self.url), "run"), keep=keep)
+        report = collect_garbage(Run(open_store(self.url), "run"), keep=keep)
         assert report.floor <= max(self.floor, len(self.model) - keep + 1)
         self.floor = max(self.floor, report.floor)
 
     @invariant()
     def bucket_matches_model(self) -> None:
-        board = Board(open_store(self.url), "run")
+        run = Run(open_store(self.url), "run")
         expected = list(range(self.floor, len(self.model) + 1)) if self.model else []
-        assert board.versions() == expected
-        head = board.read_head()
+        assert run.versions() == expected
+        head = run.read_head()
         assert (head.head.version if head else 0) == len(self.model)
 
     @invariant()

@@ -1,6 +1,6 @@
 """A trainer process that SIGKILLs itself at a chosen step of a commit.
 
-Run as ``python -m tests.board.crash_publisher STORE_URL RUN SEED STEPS CRASH_AT``.
+Run as ``python -m tests.run.crash_publisher STORE_URL RUN SEED STEPS CRASH_AT``.
 It publishes ``STEPS`` versions of a deterministic toy trainer (see helpers) and
 dies, without any cleanup, when it reaches ``CRASH_AT`` while committing its last
 version:
@@ -21,7 +21,7 @@ from datetime import datetime
 
 from bulletin import Publisher
 from bulletin.storage import ObjectData, ObjectInfo, Store, WriteResult, open_store
-from tests.board.helpers import ToyTrainer
+from tests.run.helpers import ToyTrainer
 
 
 class CrashingStore:

@@ -1,4 +1,4 @@
-"""One run inside a store: reading the manifest chain and the commit protocol.
+"""A run inside a store (:class:`Run`): reading its manifest chain, and the commit protocol.
 
 The commit protocol (DESIGN invariant 1, FORMAT.md "Commit protocol"):
 
@@ -9,7 +9,7 @@ The commit protocol (DESIGN invariant 1, FORMAT.md "Commit protocol"):
 3. the head is moved forward by compare-and-swap on its ETag, never backwards.
 
 A crash before 2 leaves orphans and no version; a crash between 2 and 3 leaves a
-committed version that the head does not show yet: :meth:`Board.tip` finds it by
+committed version that the head does not show yet: :meth:`Run.tip` finds it by
 probing past the head, and the next commit moves the head over it.
 """
 
@@ -24,7 +24,7 @@ from typing import Final
 
 from pydantic import ValidationError
 
-from bulletin import layout
+from bulletin import keyspace
 from bulletin.errors import (
     Conflict,
     DigestMismatch,
@@ -38,11 +38,11 @@ from bulletin.storage import Conflicted, ObjectInfo, Store, Updated, get_many, p
 from schemas.head import HeadV1
 from schemas.manifest import ManifestV1, ObjectRef
 
-__all__ = ["MAX_DOCUMENT_BYTES", "Board", "StoredHead", "StoredManifest", "sha256_hex"]
+__all__ = ["MAX_DOCUMENT_BYTES", "Run", "StoredHead", "StoredManifest", "sha256_hex"]
 
 #: Reader cap for JSON documents; a manifest of 100k tensors stays far below it.
 MAX_DOCUMENT_BYTES: Final = 64 << 20
-#: How far past the head :meth:`Board.tip` looks for committed versions.
+#: How far past the head :meth:`Run.tip` looks for committed versions.
 _PROBE_LIMIT: Final = 1_000
 
 
@@ -112,13 +112,13 @@ def verify_object(ref: ObjectRef, data: bytes) -> None:
         raise DigestMismatch(f"{ref.key}: sha256 {digest[:16]}..., the manifest promises {ref.sha256[:16]}...")
 
 
-class Board:
+class Run:
     """A run (``<prefix>/<run>/``) in a store: its head, manifests and data objects."""
 
-    def __init__(self, store: Store, run: str, *, max_workers: int = 8) -> None:
+    def __init__(self, store: Store, name: str, *, max_workers: int = 8) -> None:
         self.store = store
-        self.run = layout.check_run_name(run)
-        self.root = layout.run_root(run)
+        self.name = keyspace.check_run_name(name)
+        self.root = keyspace.run_root(name)
         self.max_workers = max_workers
 
     def key(self, relative: str) -> str:
@@ -129,20 +129,20 @@ class Board:
     def read_head(self) -> StoredHead | None:
         """The head, or None for a run with no version yet."""
         try:
-            obj = self.store.get(self.key(layout.HEAD))
+            obj = self.store.get(self.key(keyspace.HEAD))
         except NotFound:
             return None
-        return StoredHead(parse_head(obj.data, source=self.key(layout.HEAD)), obj.etag)
+        return StoredHead(parse_head(obj.data, source=self.key(keyspace.HEAD)), obj.etag)
 
     def poll_head(self, etag: str | None) -> StoredHead | None:
         """One conditional GET: None when the head is unchanged since ``etag`` (or absent)."""
         try:
-            obj = self.store.get_if_changed(self.key(layout.HEAD), etag)
+            obj = self.store.get_if_changed(self.key(keyspace.HEAD), etag)
         except NotFound:
             return None
         if obj is None:
             return None
-        return StoredHead(parse_head(obj.data, source=self.key(layout.HEAD)), obj.etag)
+        return StoredHead(parse_head(obj.data, source=self.key(keyspace.HEAD)), obj.etag)
 
     def advance_head(self, stored: StoredManifest) -> bool:
         """Move the head to ``stored`` unless it already points at it or later.
@@ -151,13 +151,13 @@ class Board:
         re-reads and retries only while the head is still behind.
         """
         head = HeadV1(
-            run=self.run,
+            run=self.name,
             version=stored.version,
             manifest_digest=stored.digest,
             updated_at=datetime.now(UTC),
         )
         data = head.model_dump_json().encode()
-        key = self.key(layout.HEAD)
+        key = self.key(keyspace.HEAD)
         for _ in range(100):
             current = self.read_head()
             if current is None:
@@ -168,40 +168,40 @@ class Board:
                 result = self.store.put_if_match(key, data, current.etag)
             if isinstance(result, Updated):
                 return True
-        raise Conflict(f"{self.run}: the head kept changing under 100 compare-and-swap attempts")
+        raise Conflict(f"{self.name}: the head kept changing under 100 compare-and-swap attempts")
 
     # -- manifests ---------------------------------------------------------------------
 
     def read_manifest(self, version: int) -> StoredManifest:
-        key = self.key(layout.manifest_key(version))
+        key = self.key(keyspace.manifest_key(version))
         try:
             obj = self.store.get(key)
         except NotFound:
-            raise VersionNotFound(f"{self.run}: version {version} does not exist") from None
+            raise VersionNotFound(f"{self.name}: version {version} does not exist") from None
         manifest = parse_manifest(obj.data, source=key)
-        if manifest.version != version or manifest.run != self.run:
+        if manifest.version != version or manifest.run != self.name:
             raise FormatError(f"{key}: holds {manifest.run} version {manifest.version}")
         return StoredManifest(manifest, sha256_hex(obj.data), len(obj.data))
 
     def read_manifests(self, versions: Sequence[int]) -> list[StoredManifest]:
         """Several manifests fetched in parallel, in the order asked."""
-        keys = [self.key(layout.manifest_key(v)) for v in versions]
+        keys = [self.key(keyspace.manifest_key(v)) for v in versions]
         try:
             blobs = get_many(self.store, keys, max_workers=self.max_workers)
         except NotFound as exc:
-            raise VersionNotFound(f"{self.run}: {exc}") from None
+            raise VersionNotFound(f"{self.name}: {exc}") from None
         out = []
         for version, key in zip(versions, keys, strict=True):
             manifest = parse_manifest(blobs[key], source=key)
-            if manifest.version != version or manifest.run != self.run:
+            if manifest.version != version or manifest.run != self.name:
                 raise FormatError(f"{key}: holds {manifest.run} version {manifest.version}")
             out.append(StoredManifest(manifest, sha256_hex(blobs[key]), len(blobs[key])))
         return out
 
     def versions(self) -> list[int]:
         """Every committed version still in the bucket, ascending (one listing)."""
-        prefix = self.key(layout.MANIFESTS)
-        return [layout.parse_manifest_key(info.key[len(self.root) :]) for info in self.store.list(prefix)]
+        prefix = self.key(keyspace.MANIFESTS)
+        return [keyspace.parse_manifest_key(info.key[len(self.root) :]) for info in self.store.list(prefix)]
 
     def tip(self) -> StoredManifest | None:
         """The newest committed version: the head's, or a later one it has not caught up with."""
@@ -245,7 +245,7 @@ class Board:
         try:
             blobs = get_many(self.store, keys, max_workers=self.max_workers, on_bytes=on_bytes)
         except NotFound as exc:
-            raise DigestMismatch(f"{self.run}: an object a manifest names is missing: {exc}") from exc
+            raise DigestMismatch(f"{self.name}: an object a manifest names is missing: {exc}") from exc
         out = []
         for ref, key in zip(refs, keys, strict=True):
             verify_object(ref, blobs[key])
@@ -259,15 +259,15 @@ class Board:
 
         Raises ``VersionConflict`` when another writer committed that version first.
         """
-        if manifest.run != self.run:
-            raise FormatError(f"manifest of run {manifest.run!r} committed to run {self.run!r}")
+        if manifest.run != self.name:
+            raise FormatError(f"manifest of run {manifest.run!r} committed to run {self.name!r}")
         data = manifest.model_dump_json().encode()
         if len(data) > MAX_DOCUMENT_BYTES:
             raise FormatError(f"manifest of {len(data)} bytes exceeds the {MAX_DOCUMENT_BYTES} cap")
-        result = self.store.put_if_absent(self.key(layout.manifest_key(manifest.version)), data)
+        result = self.store.put_if_absent(self.key(keyspace.manifest_key(manifest.version)), data)
         if isinstance(result, Conflicted):
             raise VersionConflict(
-                f"{self.run}: version {manifest.version} was committed by another writer; "
+                f"{self.name}: version {manifest.version} was committed by another writer; "
                 "this trainer is stale (another one is publishing to the same run)"
             )
         stored = StoredManifest(manifest, sha256_hex(data), len(data))

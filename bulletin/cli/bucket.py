@@ -14,11 +14,11 @@ from typing import Any, TypeVar
 
 import click
 
-from bulletin.chain import Board
 from bulletin.cli.output import emit, human_bytes, json_option, progress_enabled
 from bulletin.errors import InvalidInput
 from bulletin.maintenance import collect_garbage, log, verify
 from bulletin.publisher import Publisher
+from bulletin.run import Run
 from bulletin.storage import open_store
 from bulletin.subscriber import Subscriber
 from bulletin.target import LocalDirTarget
@@ -191,7 +191,7 @@ def sync_command(
 @json_option
 def log_command(store: str, run: str, limit: int | None, as_json: bool) -> None:
     """The run's chain, newest first: version, kind, bytes, changed %, age."""
-    entries = log(Board(open_store(store), run), limit=limit)
+    entries = log(Run(open_store(store), run), limit=limit)
 
     def human() -> None:
         click.echo(f"{'version':>8}  {'kind':<15} {'bytes':>12} {'changed %':>10} {'age':>7}")
@@ -209,12 +209,12 @@ def log_command(store: str, run: str, limit: int | None, as_json: bool) -> None:
 @json_option
 def status_command(store: str, run: str, local_dir: Path | None, as_json: bool) -> None:
     """The run's head and newest version, and a local copy's version and lag."""
-    board = Board(open_store(store), run)
-    head = board.read_head()
-    tip = board.tip()
+    remote = Run(open_store(store), run)
+    head = remote.read_head()
+    tip = remote.tip()
     data: dict[str, Any] = {
         "run": run,
-        "store": board.store.url,
+        "store": remote.store.url,
         "head_version": head.head.version if head else None,
         "head_updated_at": head.head.updated_at if head else None,
         "newest_version": tip.version if tip else None,
@@ -225,7 +225,7 @@ def status_command(store: str, run: str, local_dir: Path | None, as_json: bool) 
         data["lag"] = (tip.version - restored[0]) if tip and restored else None
 
     def human() -> None:
-        click.echo(f"run {run} in {board.store.url}")
+        click.echo(f"run {run} in {remote.store.url}")
         click.echo(f"  head: {data['head_version'] or 'none'}  newest committed: {data['newest_version'] or 'none'}")
         if local_dir is not None:
             click.echo(f"  local {local_dir}: {data['local_version'] or 'empty'} (lag {data['lag']})")
@@ -238,7 +238,7 @@ def status_command(store: str, run: str, local_dir: Path | None, as_json: bool) 
 @json_option
 def verify_command(store: str, run: str, as_json: bool) -> None:
     """Recompute the whole chain: digests, links, head, and every version's bits."""
-    report = verify(Board(open_store(store), run))
+    report = verify(Run(open_store(store), run))
     data = {
         "ok": report.ok,
         "versions": report.versions,
@@ -278,7 +278,7 @@ def verify_command(store: str, run: str, as_json: bool) -> None:
 def gc_command(store: str, run: str, keep: int, dry_run: bool, grace_minutes: int, as_json: bool) -> None:
     """Delete versions older than the newest KEEP (never what a keyframe chain needs)."""
     report = collect_garbage(
-        Board(open_store(store), run), keep=keep, dry_run=dry_run, grace=timedelta(minutes=grace_minutes)
+        Run(open_store(store), run), keep=keep, dry_run=dry_run, grace=timedelta(minutes=grace_minutes)
     )
 
     def human() -> None:

@@ -1,4 +1,4 @@
-"""Small realistic trainers for the board tests: FP32 masters, Adam-like steps."""
+"""Small realistic trainers for the run tests: FP32 masters, Adam-like steps."""
 
 from __future__ import annotations
 

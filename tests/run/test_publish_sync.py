@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from bulletin import Publisher, Subscriber
-from bulletin.chain import Board
 from bulletin.checkpoint import Checkpoint
 from bulletin.errors import (
     DigestMismatch,
@@ -19,10 +18,11 @@ from bulletin.errors import (
     VersionConflict,
     VersionNotFound,
 )
+from bulletin.run import Run
 from bulletin.storage import open_store
 from bulletin.target import ArrayTarget, LocalDirTarget, ShardTarget
 from patcher.fingerprint import fingerprint
-from tests.board.helpers import ToyTrainer, assert_bits_equal
+from tests.run.helpers import ToyTrainer, assert_bits_equal
 
 
 @pytest.fixture(params=["memory", "local"])
@@ -130,29 +130,29 @@ def test_a_stale_trainer_gets_a_conflict_and_never_forks(store_url: str) -> None
     trainer.step()
     with pytest.raises(VersionConflict):
         first.publish(trainer.state)
-    board = Board(open_store(store_url), "run")
-    assert board.versions() == [1, 2]
-    assert board.read_manifest(2).manifest.writer == second.writer
+    run = Run(open_store(store_url), "run")
+    assert run.versions() == [1, 2]
+    assert run.read_manifest(2).manifest.writer == second.writer
 
 
 def test_head_left_behind_by_a_crash_is_repaired_on_resume(store_url: str) -> None:
     trainer = ToyTrainer(seed=5)
     with Publisher(store_url, "run") as pub:
         _publish(pub, trainer, 2)
-    board = Board(open_store(store_url), "run")
-    head = board.read_head()
+    run = Run(open_store(store_url), "run")
+    head = run.read_head()
     assert head is not None
     # Put the head back to version 1, as if the trainer died between steps 2 and 3.
-    v1 = board.read_manifest(1)
+    v1 = run.read_manifest(1)
     from schemas.head import HeadV1
 
     old = HeadV1(run="run", version=1, manifest_digest=v1.digest, updated_at=head.head.updated_at)
-    board.store.put_if_match(board.key("head.json"), old.model_dump_json().encode(), head.etag)
-    assert board.tip() is not None and board.tip().version == 2  # type: ignore[union-attr]
+    run.store.put_if_match(run.key("head.json"), old.model_dump_json().encode(), head.etag)
+    assert run.tip() is not None and run.tip().version == 2  # type: ignore[union-attr]
     trainer.step()
     with Publisher(store_url, "run") as pub:
         assert pub.publish(trainer.state) == 3
-    assert board.read_head().head.version == 3  # type: ignore[union-attr]
+    assert run.read_head().head.version == 3  # type: ignore[union-attr]
 
 
 def test_background_publishing_keeps_order_and_snapshots(store_url: str) -> None:
@@ -222,7 +222,7 @@ def test_bad_state_dicts_get_typed_errors(store_url: str) -> None:
         with pytest.raises(UnsupportedDtype):
             pub.publish({"w": np.zeros(3, np.complex64)})
         assert pub.version is None
-    assert Board(open_store(store_url), "run").versions() == []
+    assert Run(open_store(store_url), "run").versions() == []
 
 
 def test_missing_versions_and_runs_are_typed(store_url: str) -> None:
@@ -263,9 +263,9 @@ def test_resume_and_fresh_sync_after_garbage_collection(store_url: str) -> None:
     trainer = ToyTrainer(seed=10)
     with Publisher(store_url, "run", keyframe_every=3) as pub:
         _publish(pub, trainer, 5)  # keyframes at 1 and 4
-    board = Board(open_store(store_url), "run")
-    assert collect_garbage(board, keep=1).floor == 4
-    assert board.versions() == [4, 5]
+    run = Run(open_store(store_url), "run")
+    assert collect_garbage(run, keep=1).floor == 4
+    assert run.versions() == [4, 5]
     trainer.step()
     with Publisher(store_url, "run", keyframe_every=3) as pub:  # walks back to keyframe 4 only
         assert pub.publish(trainer.state) == 6

@@ -1,7 +1,7 @@
 """Killed trainers and killed nodes never leave a half-visible or wrong version.
 
 The trainer tests run on the local-directory store here and on LocalStack in
-test_s3_board.py (same scenarios, real S3 conditional writes).
+test_s3_run.py (same scenarios, real S3 conditional writes).
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 
 from bulletin import Publisher, Subscriber
-from bulletin.chain import Board
 from bulletin.maintenance import verify
+from bulletin.run import Run
 from bulletin.storage import open_store
 from bulletin.target import ArrayTarget, LocalDirTarget
 from patcher.fingerprint import fingerprint
-from tests.board.helpers import ToyTrainer, assert_bits_equal
+from tests.run.helpers import ToyTrainer, assert_bits_equal
 
 ROOT = Path(__file__).resolve().parents[2]
 CRASH_POINTS = ["shard", "manifest", "head", "after"]
@@ -30,7 +30,7 @@ CRASH_POINTS = ["shard", "manifest", "head", "after"]
 
 def crash_publisher(url: str, run: str, seed: int, steps: int, crash_at: str) -> int:
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.board.crash_publisher", url, run, str(seed), str(steps), crash_at],
+        [sys.executable, "-m", "tests.run.crash_publisher", url, run, str(seed), str(steps), crash_at],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -45,10 +45,10 @@ def check_trainer_crash(url: str, crash_at: str, steps: int) -> None:
     run = f"crash-{crash_at}"
     code = crash_publisher(url, run, seed=11, steps=steps, crash_at=crash_at)
     assert code == -signal.SIGKILL
-    board = Board(open_store(url), run)
+    remote = Run(open_store(url), run)
     committed = steps if crash_at in ("head", "after") else steps - 1
-    assert board.versions() == list(range(1, committed + 1))  # nothing half-visible
-    head = board.read_head()
+    assert remote.versions() == list(range(1, committed + 1))  # nothing half-visible
+    head = remote.read_head()
     head_version = committed if crash_at == "after" else steps - 1
     assert (head.head.version if head else 0) == head_version
 
@@ -65,8 +65,8 @@ def check_trainer_crash(url: str, crash_at: str, steps: int) -> None:
     # A new trainer continues the chain from the newest committed version.
     with Publisher(url, run, keyframe_every=3) as pub:
         assert pub.publish(trainer.state) == committed + 1
-    assert board.read_head().head.version == committed + 1  # type: ignore[union-attr]
-    report = verify(board)
+    assert remote.read_head().head.version == committed + 1  # type: ignore[union-attr]
+    report = verify(remote)
     assert report.ok, report.problems
     assert Subscriber(url, run, target=node).sync() == committed + 1
     assert_bits_equal(node.arrays, trainer.served())

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from bulletin import Publisher, Subscriber
-from bulletin.chain import Board
+from bulletin.run import Run
 from bulletin.storage import open_store
 from bulletin.target import ArrayTarget
 
@@ -41,7 +41,7 @@ def test_cuda_tensors_publish_the_same_bytes_as_cpu_tensors() -> None:
         gpu.publish({n: t.cuda() for n, t in masters.items()})
     cpu.close()
     gpu.close()
-    a, b = Board(open_store(cpu_url), "run"), Board(open_store(gpu_url), "run")
+    a, b = Run(open_store(cpu_url), "run"), Run(open_store(gpu_url), "run")
     for version in range(1, 8):
         ma, mb = a.read_manifest(version).manifest, b.read_manifest(version).manifest
         assert ma.tensors == mb.tensors

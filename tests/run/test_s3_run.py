@@ -1,4 +1,4 @@
-"""The board on LocalStack: real S3 conditional writes, real safetensors checkpoints."""
+"""The run on LocalStack: real S3 conditional writes, real safetensors checkpoints."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from bulletin import Publisher, Subscriber
-from bulletin.chain import Board
 from bulletin.errors import AccessDenied, ConfigError, DigestMismatch, NotFound, StorageUnavailable
 from bulletin.maintenance import verify
+from bulletin.run import Run
 from bulletin.storage import open_store
 from bulletin.target import LocalDirTarget
-from tests.board.test_crashes import CRASH_POINTS, check_trainer_crash
+from tests.run.test_crashes import CRASH_POINTS, check_trainer_crash
 
 pytestmark = pytest.mark.integration
 
@@ -51,7 +51,7 @@ def test_versions_publish_and_sync_as_real_checkpoints(s3_url: str, tmp_path: Pa
         got = load_file(tmp_path / sub.target.dir.name / "current" / "model.safetensors")
         for name, tensor in expected.items():
             assert torch.equal(got[name].view(-1).view(torch.uint8), tensor.view(-1).view(torch.uint8)), name
-    assert verify(Board(open_store(s3_url), "run")).ok
+    assert verify(Run(open_store(s3_url), "run")).ok
 
 
 def test_idle_poll_is_one_small_conditional_request(s3_url: str) -> None:
@@ -59,12 +59,12 @@ def test_idle_poll_is_one_small_conditional_request(s3_url: str) -> None:
         pub.publish(_state(0))
     sub = Subscriber(s3_url, "run")
     sub.sync()
-    board = sub.board
-    head = board.read_head()
+    run = sub.run
+    head = run.read_head()
     assert head is not None
     assert len(head.head.model_dump_json()) < 1024
     assert sub.head_version() == 1
-    assert board.poll_head(head.etag) is None  # 304: unchanged
+    assert run.poll_head(head.etag) is None  # 304: unchanged
 
 
 @pytest.mark.parametrize("crash_at", CRASH_POINTS)
