@@ -1,7 +1,8 @@
 """Bulletin: RL policy weights as lossless bit-level patches through an S3-compatible bucket.
 
 Trainer side: :class:`Publisher`. Rollout side: :class:`Subscriber`. Both are imported
-lazily so that ``import bulletin.errors`` (used by the pure codecs) stays cheap.
+lazily so that ``import bulletin.errors`` (the exception tree, whose root and codec
+kinds live in ``patcher.errors``) stays cheap.
 """
 
 from __future__ import annotations

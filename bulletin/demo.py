@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 from numpy.typing import NDArray
 
-from bulletin.errors import VerificationFailed
+from bulletin.errors import InternalError
 from bulletin.publisher import Publisher, PublishResult
 from bulletin.subscriber import Subscriber
 from bulletin.target import ArrayTarget
@@ -173,6 +173,6 @@ def run_demo(
         sub.sync()
     for name, bits in last_published.items():
         if not np.array_equal(check.arrays[name], bits):
-            raise VerificationFailed(f"replica differs from the trainer in {name}")
+            raise InternalError(f"replica differs from the trainer in {name}")
     say(f"replica at version {versions} is bit-identical to the trainer's BF16 weights; files in {replica / 'current'}")
     return report

@@ -10,7 +10,6 @@ crosses to the host; the full tensor does so only for keyframes.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -18,9 +17,9 @@ from numpy.typing import NDArray
 
 from kernels.dispatch import as_bits, backend_for, dtype_name
 from patcher.dtypes import FLOAT_DTYPES
-from patcher.patch import TensorSpec
+from patcher.patch import Change, HostChange, TensorSpec
 
-__all__ = ["DeviceChange", "DeviceKept", "on_gpu"]
+__all__ = ["DeviceKept", "on_gpu"]
 
 
 def on_gpu(value: object) -> bool:
@@ -36,15 +35,6 @@ def on_gpu(value: object) -> bool:
     except ImportError:
         return False
     return True
-
-
-@dataclass(frozen=True, slots=True)
-class DeviceChange:
-    """What the GPU diff found for one tensor, copied to the host."""
-
-    indices: NDArray[np.int64]
-    delta: NDArray[np.unsignedinteger]
-    fingerprint_delta: int
 
 
 class DeviceKept:
@@ -66,8 +56,9 @@ class DeviceKept:
             value = value.detach().contiguous()
         return as_bits(value)
 
-    def diff(self, name: str, value: Any) -> DeviceChange | None:
-        """Diff against the kept bits and update them; None when nothing is kept for it."""
+    def diff(self, name: str, value: Any) -> HostChange | None:
+        """Diff against the kept bits and update them; the change found, copied to the
+        host, or None when nothing is kept for it."""
         spec, source = self.spec(name, value)
         kept = self._kept.get(name)
         if kept is None or kept[0] != spec:
@@ -76,7 +67,7 @@ class DeviceKept:
         backend = backend_for(current)
         result = backend.diff_cast(current, kept[1], current_dtype=source, served_dtype=spec.dtype)
         cupy = sys.modules["cupy"]
-        return DeviceChange(
+        return Change(
             indices=cupy.asnumpy(result.indices).astype(np.int64, copy=False),
             delta=cupy.asnumpy(result.delta),
             fingerprint_delta=result.fingerprint_delta,

@@ -1,5 +1,10 @@
 """The one rooted exception tree of Bulletin.
 
+The root and the kinds the pure codecs raise live in :mod:`patcher.errors` (the
+ground floor owns its errors); they are re-exported here as the same objects, so
+``from bulletin.errors import X`` works for every kind and a caller catches one
+``BulletinError``. The kinds only the I/O layer raises are defined below.
+
 Errors are grouped by what a caller does about them:
 
 - ``InvalidInput``: the caller passed something wrong; fix the call.
@@ -9,9 +14,12 @@ Errors are grouped by what a caller does about them:
 - ``Conflict``: someone else won a race (a stale or second trainer).
 - ``StorageUnavailable``: the bucket cannot be reached or refuses us; retry later or
   fix credentials (also an ``OSError``).
+- ``EngineError``: the inference engine failed or refused; retry later or check it.
+- ``InternalError``: an invariant of Bulletin broke; a bug to report.
 
 Every class has a stable ``code`` used by the CLI's ``--json`` output and by the
-sidecar's error bodies. Storage backends translate their client's exceptions into
+sidecar's error bodies; the CLI's exit status per kind is tabled in
+``docs/ARCHITECTURE.md``. Storage backends translate their client's exceptions into
 this tree at the storage boundary only, keeping the original as ``__cause__``.
 Lost compare-and-swap races are *not* exceptions inside the storage protocol
 (they are ordinary return values); ``Conflict`` is raised by higher layers that
@@ -20,7 +28,19 @@ cannot proceed after losing.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from patcher.errors import (
+    BulletinError,
+    CorruptData,
+    FormatError,
+    IncompatibleTensors,
+    InternalError,
+    InvalidInput,
+    InvalidTensorName,
+    UnsupportedDtype,
+    UnsupportedFormatVersion,
+    VerificationFailed,
+    WrongBase,
+)
 
 __all__ = [
     "AccessDenied",
@@ -30,8 +50,10 @@ __all__ = [
     "CorruptData",
     "DigestMismatch",
     "EngineError",
+    "FingerprintMismatch",
     "FormatError",
     "IncompatibleTensors",
+    "InternalError",
     "InvalidInput",
     "InvalidTensorName",
     "NotFound",
@@ -45,19 +67,7 @@ __all__ = [
 ]
 
 
-class BulletinError(Exception):
-    """Root of every error Bulletin raises on purpose."""
-
-    code: ClassVar[str] = "bulletin_error"
-
-
 # -- the caller's fault ------------------------------------------------------------
-
-
-class InvalidInput(BulletinError, ValueError):
-    """An argument, file or request is not acceptable. Nothing was changed."""
-
-    code = "invalid_input"
 
 
 class ConfigError(InvalidInput):
@@ -66,43 +76,7 @@ class ConfigError(InvalidInput):
     code = "config_error"
 
 
-class UnsupportedDtype(InvalidInput):
-    """A tensor dtype Bulletin cannot carry bit-exactly."""
-
-    code = "unsupported_dtype"
-
-
-class InvalidTensorName(InvalidInput):
-    """A tensor name that is empty, too long, or path-like."""
-
-    code = "invalid_tensor_name"
-
-
-class IncompatibleTensors(InvalidInput):
-    """Two tensor sets that should share names, dtypes and shapes do not."""
-
-    code = "incompatible_tensors"
-
-
 # -- bytes that are not what they claim ---------------------------------------------
-
-
-class CorruptData(BulletinError, ValueError):
-    """Stored or received bytes violate the format. Nothing was applied."""
-
-    code = "corrupt_data"
-
-
-class FormatError(CorruptData):
-    """Bad magic, bad header, bad lengths, overlapping or out-of-range data."""
-
-    code = "format_error"
-
-
-class UnsupportedFormatVersion(FormatError):
-    """A document or shard written by a spec version this reader does not know."""
-
-    code = "unsupported_format_version"
 
 
 class DigestMismatch(CorruptData):
@@ -111,19 +85,15 @@ class DigestMismatch(CorruptData):
     code = "digest_mismatch"
 
 
-# -- bits that do not match ----------------------------------------------------------
+class FingerprintMismatch(CorruptData):
+    """Stored tensors or patch headers disagree with the fingerprints their manifest records.
 
+    The bytes passed their SHA-256 digests, so the version as written is inconsistent
+    (a keyframe tensor that does not hash to its manifest's fingerprint); the bits a
+    node holds are not at fault, unlike ``VerificationFailed``.
+    """
 
-class WrongBase(BulletinError):
-    """A patch meets a base it was not made for; detected before anything changed."""
-
-    code = "wrong_base"
-
-
-class VerificationFailed(WrongBase):
-    """Bits after an apply (or on disk) do not match the recorded fingerprint."""
-
-    code = "verification_failed"
+    code = "fingerprint_mismatch"
 
 
 # -- existence and races -------------------------------------------------------------

@@ -19,6 +19,7 @@ import re
 from typing import Final
 
 from bulletin.errors import ConfigError, FormatError
+from schemas.common import RUN_NAME_PATTERN
 
 __all__ = [
     "HEAD",
@@ -36,7 +37,7 @@ HEAD: Final = "head.json"
 MANIFESTS: Final = "manifests/"
 PATCHES: Final = "patches/"
 KEYFRAMES: Final = "keyframes/"
-_RUN_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_RUN_RE: Final = re.compile(RUN_NAME_PATTERN)
 _MANIFEST_RE: Final = re.compile(r"^manifests/(\d{20})\.json$")
 _DATA_RE: Final = re.compile(r"^(?:patches|keyframes)/(\d{20})(?:-[0-9a-f]+)?/")
 

@@ -9,8 +9,8 @@ from datetime import UTC, datetime, timedelta
 from bulletin.errors import BulletinError, InvalidInput, VersionNotFound
 from bulletin.keyspace import version_of_data_key
 from bulletin.run import Run, StoredManifest
-from bulletin.sync import Held, SyncPlan, execute, manifest_fingerprints
-from bulletin.target import ArrayTarget
+from bulletin.sync import SyncPlan, execute
+from bulletin.target import ArrayTarget, Held
 
 __all__ = ["GcReport", "LogEntry", "VerifyReport", "collect_garbage", "log", "verify"]
 
@@ -114,7 +114,7 @@ def verify(run: Run, *, progress: Callable[[int], None] | None = None) -> Verify
             if held is not None and stored.manifest.patch is not None and held.version == stored.version - 1:
                 report.bytes_read += execute(run, SyncPlan(stored, None, (stored,)), target, held).bytes_downloaded
                 report.transitions += 1
-                held = Held(stored.version, manifest_fingerprints(stored.manifest))
+                held = Held(stored.version, dict(stored.manifest.fingerprints))
                 if stored.manifest.keyframe is not None:  # check the keyframe copy on its own too
                     report.bytes_read += execute(
                         run, SyncPlan(stored, stored, ()), ArrayTarget(), None
@@ -123,7 +123,7 @@ def verify(run: Run, *, progress: Callable[[int], None] | None = None) -> Verify
             elif stored.manifest.keyframe is not None:
                 report.bytes_read += execute(run, SyncPlan(stored, stored, ()), target, None).bytes_downloaded
                 report.keyframes += 1
-                held = Held(stored.version, manifest_fingerprints(stored.manifest))
+                held = Held(stored.version, dict(stored.manifest.fingerprints))
             else:
                 report.problems.append(f"version {stored.version}: cannot be rebuilt (no base before it)")
                 continue

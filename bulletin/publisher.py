@@ -29,17 +29,20 @@ from typing import Any, Final, Self
 
 import numpy as np
 from numpy.typing import NDArray
+from pydantic import ValidationError
 
 from bulletin.checkpoint import INDEX_NAME, Checkpoint, hf_index, plan_checkpoint, safetensors_bytes
 from bulletin.device_kept import DeviceKept
-from bulletin.errors import ConfigError, InvalidInput
+from bulletin.errors import ConfigError, InternalError, InvalidInput
 from bulletin.keyspace import keyframe_prefix, patch_shard_key
 from bulletin.run import Run, StoredManifest, sha256_hex
-from bulletin.snapshot import SERVED_FLOAT_DTYPES, Snapshot, snapshot
+from bulletin.snapshot import Snapshot, snapshot
 from bulletin.storage import Store, open_store
-from bulletin.sync import execute, manifest_fingerprints, manifest_specs, plan
+from bulletin.sync import execute, plan
 from bulletin.target import ArrayTarget
+from patcher.compression import CODECS, DEFAULT_CODEC
 from patcher.diff import diff
+from patcher.dtypes import SERVED_FLOAT_DTYPES
 from patcher.encode import encode
 from patcher.fingerprint import fingerprint, format_fingerprint
 from patcher.patch import Patch, TensorDelta, TensorSpec
@@ -84,7 +87,7 @@ class Publisher:
         *,
         dtype: str = "BF16",
         keyframe_every: int = 10,
-        codec: str = "zstd",
+        codec: str = DEFAULT_CODEC,
         max_shard_bytes: int = _DEFAULT_SHARD_BYTES,
         keyframe_file_bytes: int = _DEFAULT_KEYFRAME_FILE_BYTES,
         max_workers: int = 8,
@@ -95,8 +98,8 @@ class Publisher:
             raise ConfigError(f"dtype must be one of {', '.join(SERVED_FLOAT_DTYPES)}, not {dtype!r}")
         if keyframe_every < 1:
             raise ConfigError("keyframe_every must be >= 1")
-        if codec not in ("zstd", "lz4"):
-            raise ConfigError(f"codec must be 'zstd' or 'lz4', not {codec!r}")
+        if codec not in CODECS:
+            raise ConfigError(f"codec must be {' or '.join(map(repr, CODECS))}, not {codec!r}")
         if queue_size < 1 or max_shard_bytes < 1 << 10 or keyframe_file_bytes < 1 << 10:
             raise ConfigError("queue_size >= 1; max_shard_bytes and keyframe_file_bytes >= 1 KiB")
         self._run = Run(
@@ -249,8 +252,7 @@ class Publisher:
         self._run.advance_head(tip)  # a crash may have left the head behind a commit
         held = ArrayTarget()
         execute(self._run, plan(self._run, tip, None), held, None)
-        specs = manifest_specs(tip.manifest)
-        self._kept = _Kept(specs, dict(held.arrays), manifest_fingerprints(tip.manifest), tip)
+        self._kept = _Kept(dict(tip.manifest.specs), dict(held.arrays), dict(tip.manifest.fingerprints), tip)
 
     def _publish(self, snap: Snapshot, metadata: dict[str, str]) -> PublishResult:
         if not self._resumed:
@@ -266,30 +268,35 @@ class Publisher:
             fps = {name: fingerprint(bits) for name, bits in snap.bits.items()}
         is_keyframe = not same_layout or (version - 1) % self.keyframe_every == 0
         if is_keyframe and snap.changes:  # cannot happen: _prepare sends keyframes in full
-            raise InvalidInput("internal: a keyframe version was diffed on the device")
+            raise InternalError("a keyframe version was diffed on the device")
         patch_ref = self._upload_patch(version, patch) if patch is not None else None
         keyframe_ref = self._upload_keyframe(version, snap) if is_keyframe else None
-        manifest = ManifestV1(
-            run=self.run,
-            version=version,
-            parent_version=kept.stored.version if kept else None,
-            parent_digest=kept.stored.digest if kept else None,
-            created_at=datetime.now(UTC),
-            writer=self.writer,
-            tensors=tuple(
-                TensorEntry(name=s.name, dtype=s.dtype, shape=s.shape, fingerprint=format_fingerprint(fps[s.name]))  # type: ignore[arg-type]
-                for s in (snap.specs[n] for n in sorted(snap.specs))
-            ),
-            patch=patch_ref,
-            keyframe=keyframe_ref,
-            stats=VersionStats(
-                total_elements=sum(s.numel for s in snap.specs.values()),
-                total_bytes=sum(s.nbytes for s in snap.specs.values()),
-                patch_bytes=sum(r.size for r in patch_ref.shards) if patch_ref else 0,
-                keyframe_bytes=sum(r.size for r in keyframe_ref.files) if keyframe_ref else 0,
-            ),
-            metadata=metadata,
-        )
+        try:
+            manifest = ManifestV1(
+                run=self.run,
+                version=version,
+                parent_version=kept.stored.version if kept else None,
+                parent_digest=kept.stored.digest if kept else None,
+                created_at=datetime.now(UTC),
+                writer=self.writer,
+                tensors=tuple(
+                    TensorEntry(name=s.name, dtype=s.dtype, shape=s.shape, fingerprint=format_fingerprint(fps[s.name]))  # type: ignore[arg-type]
+                    for s in (snap.specs[n] for n in sorted(snap.specs))
+                ),
+                patch=patch_ref,
+                keyframe=keyframe_ref,
+                stats=VersionStats(
+                    total_elements=sum(s.numel for s in snap.specs.values()),
+                    total_bytes=sum(s.nbytes for s in snap.specs.values()),
+                    patch_bytes=sum(r.size for r in patch_ref.shards) if patch_ref else 0,
+                    keyframe_bytes=sum(r.size for r in keyframe_ref.files) if keyframe_ref else 0,
+                ),
+                metadata=metadata,
+            )
+        except ValidationError as exc:  # the metadata is the only part a caller gives as is
+            problem = exc.errors()[0]
+            where = ".".join(str(part) for part in problem["loc"])
+            raise InvalidInput(f"version {version}: manifest field {where}: {problem['msg']}") from exc
         stored = self._run.commit(manifest)  # raises VersionConflict for a stale trainer
         # Host bits of tensors diffed on the device go stale; the device keeps them.
         self._kept = _Kept(dict(snap.specs), snap.bits, fps, stored)
@@ -318,9 +325,7 @@ class Publisher:
         )
         deltas = dict(patch.tensors)
         for name, change in snap.changes.items():
-            base = kept.fingerprints[name]
-            target = (base + change.fingerprint_delta) & (2**64 - 1)
-            deltas[name] = TensorDelta(snap.specs[name], change.indices, change.delta, base, target)
+            deltas[name] = TensorDelta.from_change(snap.specs[name], change, kept.fingerprints[name])
         return Patch({name: deltas[name] for name in sorted(deltas)})
 
     def _upload_patch(self, version: int, patch: Patch) -> PatchRef:
@@ -333,7 +338,7 @@ class Publisher:
             refs.append(ObjectRef(key=key, size=len(data), sha256=digest))
             items[key] = data
         self._run.upload(items, self._on_bytes)
-        return PatchRef(codec=self.codec, shards=tuple(refs), changed_elements=patch.changed_elements)  # type: ignore[arg-type]
+        return PatchRef(codec=self.codec, shards=tuple(refs), changed_elements=patch.changed_elements)
 
     def _upload_keyframe(self, version: int, snap: Snapshot) -> KeyframeRef:
         prefix = keyframe_prefix(version, self.writer)

@@ -16,13 +16,10 @@ probing past the head, and the next commit moves the head over it.
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Final
-
-from pydantic import ValidationError
 
 from bulletin import keyspace
 from bulletin.errors import (
@@ -30,18 +27,16 @@ from bulletin.errors import (
     DigestMismatch,
     FormatError,
     NotFound,
-    UnsupportedFormatVersion,
     VersionConflict,
     VersionNotFound,
 )
 from bulletin.storage import Conflicted, ObjectInfo, Store, Updated, get_many, put_many_if_absent
-from schemas.head import HeadV1
-from schemas.manifest import ManifestV1, ObjectRef
+from schemas.common import MAX_DOCUMENT_BYTES
+from schemas.head import HeadV1, parse_head
+from schemas.manifest import ManifestV1, ObjectRef, parse_manifest
 
-__all__ = ["MAX_DOCUMENT_BYTES", "Run", "StoredHead", "StoredManifest", "sha256_hex"]
+__all__ = ["Run", "StoredHead", "StoredManifest", "sha256_hex"]
 
-#: Reader cap for JSON documents; a manifest of 100k tensors stays far below it.
-MAX_DOCUMENT_BYTES: Final = 64 << 20
 #: How far past the head :meth:`Run.tip` looks for committed versions.
 _PROBE_LIMIT: Final = 1_000
 
@@ -67,40 +62,6 @@ class StoredManifest:
 class StoredHead:
     head: HeadV1
     etag: str
-
-
-def _check_document(data: bytes, kind: str, source: str) -> None:
-    """Refuse oversized documents and unknown format versions before full validation."""
-    if len(data) > MAX_DOCUMENT_BYTES:
-        raise FormatError(f"{source}: {len(data)} bytes exceeds the {MAX_DOCUMENT_BYTES} cap")
-    try:
-        raw = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise FormatError(f"{source}: not JSON: {exc}") from None
-    if not isinstance(raw, dict) or raw.get("format") != kind:
-        raise FormatError(f"{source}: not a {kind} document")
-    if raw.get("spec_version") != 1:
-        raise UnsupportedFormatVersion(
-            f"{source}: {kind} spec_version {raw.get('spec_version')!r} is not supported "
-            "by this reader (knows 1); upgrade bulletin"
-        )
-
-
-def parse_manifest(data: bytes, *, source: str = "manifest") -> ManifestV1:
-    """Validate manifest bytes; raises ``FormatError`` / ``UnsupportedFormatVersion``."""
-    _check_document(data, "bulletin.manifest", source)
-    try:
-        return ManifestV1.model_validate_json(data)
-    except ValidationError as exc:
-        raise FormatError(f"{source}: invalid manifest: {exc.errors()[0]['msg']}") from exc
-
-
-def parse_head(data: bytes, *, source: str = "head") -> HeadV1:
-    _check_document(data, "bulletin.head", source)
-    try:
-        return HeadV1.model_validate_json(data)
-    except ValidationError as exc:
-        raise FormatError(f"{source}: invalid head: {exc.errors()[0]['msg']}") from exc
 
 
 def verify_object(ref: ObjectRef, data: bytes) -> None:

@@ -12,24 +12,21 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
 
-from bulletin.device_kept import DeviceChange, DeviceKept, on_gpu
+from bulletin.device_kept import DeviceKept, on_gpu
 from bulletin.engines.torch_module import torch_dtype
 from bulletin.errors import InvalidInput, UnsupportedDtype
 from kernels.dispatch import as_bits, dtype_name
 from patcher.cast import cast_bits
-from patcher.dtypes import FLOAT_DTYPES
+from patcher.dtypes import FLOAT_DTYPES, SERVED_FLOAT_DTYPES
 from patcher.names import check_tensor_name
-from patcher.patch import TensorSpec
+from patcher.patch import HostChange, TensorSpec
 
-__all__ = ["SERVED_FLOAT_DTYPES", "Snapshot", "snapshot"]
-
-#: Dtypes a trainer may ask floating-point weights to be served in.
-SERVED_FLOAT_DTYPES: Final = ("BF16", "F16", "F32")
+__all__ = ["Snapshot", "snapshot"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +41,7 @@ class Snapshot:
     specs: dict[str, TensorSpec]
     bits: dict[str, NDArray[np.unsignedinteger]]
     aliases: dict[str, str]  # dropped name -> served name
-    changes: dict[str, DeviceChange] = field(default_factory=dict)
+    changes: dict[str, HostChange] = field(default_factory=dict)
     old_bits: dict[str, NDArray[np.unsignedinteger]] = field(default_factory=dict)
 
 
@@ -99,7 +96,7 @@ def snapshot(
     specs: dict[str, TensorSpec] = {}
     bits: dict[str, NDArray[np.unsignedinteger]] = {}
     aliases: dict[str, str] = {}
-    changes: dict[str, DeviceChange] = {}
+    changes: dict[str, HostChange] = {}
     old_bits: dict[str, NDArray[np.unsignedinteger]] = {}
     seen: dict[tuple[Any, ...], str] = {}
     for name in sorted(state_dict):

@@ -20,8 +20,8 @@ from typing import Self
 from bulletin.errors import ConfigError, VersionNotFound
 from bulletin.run import Run, StoredManifest
 from bulletin.storage import Store, open_store
-from bulletin.sync import Held, SyncReport, execute, manifest_fingerprints, plan
-from bulletin.target import ArrayTarget, LocalDirTarget, WeightTarget
+from bulletin.sync import SyncReport, execute, plan
+from bulletin.target import ArrayTarget, Held, LocalDirTarget, WeightTarget
 
 __all__ = ["Subscriber", "SubscriberStats"]
 
@@ -69,8 +69,7 @@ class Subscriber:
         if target is None:
             target = LocalDirTarget(Path(local_dir), run=run) if local_dir is not None else ArrayTarget()
         self.target: WeightTarget = target
-        restored = target.restored()
-        self._held = Held(*restored) if restored else None
+        self._held: Held | None = target.restored()
         self._head_etag: str | None = None
         self._head_version: int | None = None
         self._lock = threading.Lock()
@@ -112,7 +111,7 @@ class Subscriber:
         return self._run.read_manifest(version)
 
     def _activated(self, stored: StoredManifest) -> None:
-        self._held = Held(stored.version, manifest_fingerprints(stored.manifest))
+        self._held = Held(stored.version, dict(stored.manifest.fingerprints))
 
     def sync(self, version: int | None = None) -> int:
         """Bring the target to ``version`` (default: the newest) and return it.
@@ -170,9 +169,7 @@ class Subscriber:
             stop.wait(max(0.0, interval - (time.monotonic() - started)))
 
     def close(self) -> None:
-        close = getattr(self.target, "close", None)
-        if callable(close):
-            close()
+        self.target.close()
 
     def __enter__(self) -> Self:
         return self

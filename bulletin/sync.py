@@ -20,33 +20,24 @@ from numpy.typing import NDArray
 from bulletin.checkpoint import INDEX_NAME, parse_safetensors_header
 from bulletin.errors import (
     CorruptData,
+    FingerprintMismatch,
     FormatError,
-    InvalidInput,
-    VerificationFailed,
+    InternalError,
     VersionNotFound,
     WrongBase,
 )
 from bulletin.run import Run, StoredManifest
-from bulletin.target import ShardTarget, WeightTarget
+from bulletin.target import Held, WeightTarget
 from patcher.decode import decode, shard_views
-from patcher.fingerprint import fingerprint, format_fingerprint, parse_fingerprint
+from patcher.fingerprint import fingerprint, format_fingerprint
 from patcher.fold import fold
 from patcher.format import DEFAULT_LIMITS, TensorInfo
-from patcher.patch import Patch, TensorSpec, check_layout
-from schemas.manifest import ManifestV1
+from patcher.patch import Patch, check_layout
 
-__all__ = ["Held", "SyncPlan", "SyncReport", "execute", "manifest_fingerprints", "manifest_specs", "plan"]
+__all__ = ["SyncPlan", "SyncReport", "execute", "plan"]
 
 #: Manifests fetched per round trip when walking back to a keyframe.
 _WALK_BATCH = 8
-
-
-@dataclass(frozen=True, slots=True)
-class Held:
-    """What a target holds, verified: a version and its tensors' fingerprints."""
-
-    version: int
-    fingerprints: dict[str, int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,14 +68,6 @@ class SyncReport:
     decode_s: float = 0.0
     apply_s: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)
-
-
-def manifest_specs(manifest: ManifestV1) -> dict[str, TensorSpec]:
-    return {t.name: TensorSpec(t.name, t.dtype, tuple(t.shape)) for t in manifest.tensors}
-
-
-def manifest_fingerprints(manifest: ManifestV1) -> dict[str, int]:
-    return {t.name: parse_fingerprint(t.fingerprint) for t in manifest.tensors}
 
 
 def _check_link(parent: StoredManifest, child: StoredManifest) -> None:
@@ -135,7 +118,7 @@ def plan(run: Run, target: StoredManifest, held: Held | None) -> SyncPlan:
             span = run.read_manifests(list(range(held.version, target.version)))
         except VersionNotFound:
             span = []  # garbage-collected: start from a keyframe
-        if span and manifest_fingerprints(span[0].manifest) == held.fingerprints:
+        if span and span[0].manifest.fingerprints == held.fingerprints:
             chain = [*span, target]
             for parent, child in itertools.pairwise(chain):
                 _check_link(parent, child)
@@ -159,10 +142,10 @@ def _keyframe_tensors(
 ) -> tuple[dict[str, NDArray[np.unsignedinteger]], int]:
     ref = stored.manifest.keyframe
     if ref is None:
-        raise InvalidInput(f"version {stored.version} has no keyframe")
+        raise InternalError(f"version {stored.version} has no keyframe, yet a route was planned through it")
     files = [f for f in ref.files if not f.key.endswith(INDEX_NAME)]
     blobs = run.download(files, on_bytes)
-    specs = manifest_specs(stored.manifest)
+    specs = stored.manifest.specs
     out: dict[str, NDArray[np.unsignedinteger]] = {}
     for f, data in zip(files, blobs, strict=True):
         header = parse_safetensors_header(data, len(data), source=f.key)
@@ -174,21 +157,23 @@ def _keyframe_tensors(
             out[name] = raw.view(specs[name].bits_dtype).reshape(specs[name].shape)
     if out.keys() != specs.keys():
         raise FormatError(f"version {stored.version}: keyframe files do not hold every tensor")
-    expected = manifest_fingerprints(stored.manifest)
+    expected = stored.manifest.fingerprints
     for name, bits in out.items():
         if fingerprint(bits) != expected[name]:
-            raise VerificationFailed(f"version {stored.version}: keyframe tensor {name!r} fails its fingerprint")
+            raise FingerprintMismatch(f"version {stored.version}: keyframe tensor {name!r} fails its fingerprint")
     return out, sum(len(b) for b in blobs)
 
 
 def _check_transition(stored: StoredManifest, parent_fps: Mapping[str, int], infos: Mapping[str, TensorInfo]) -> None:
     """The patch's tensors are the manifest's layout, from the parent's fingerprints to its own."""
     manifest = stored.manifest
-    check_layout({name: info.spec for name, info in infos.items()}, manifest_specs(manifest))
-    target_fps = manifest_fingerprints(manifest)
+    check_layout({name: info.spec for name, info in infos.items()}, manifest.specs)
+    target_fps = manifest.fingerprints
     for name, info in infos.items():
         if info.base_fingerprint != parent_fps.get(name) or info.target_fingerprint != target_fps[name]:
-            raise CorruptData(f"version {stored.version}: patch of {name!r} does not match the manifests' fingerprints")
+            raise FingerprintMismatch(
+                f"version {stored.version}: patch of {name!r} does not match the manifests' fingerprints"
+            )
 
 
 def _transition(stored: StoredManifest, parent_fps: Mapping[str, int], shards: Sequence[bytes]) -> Patch:
@@ -198,18 +183,11 @@ def _transition(stored: StoredManifest, parent_fps: Mapping[str, int], shards: S
     return patch
 
 
-def _abort(target: WeightTarget) -> None:
-    """Put back what the target held before a failed apply or activation, if it can."""
-    abort = getattr(target, "abort", None)
-    if callable(abort):
-        abort()
-
-
 def _apply_and_activate(target: WeightTarget, stored: StoredManifest, apply: Callable[[], dict[str, int]]) -> None:
     """Apply, check the result against the manifest, activate; put the target back on failure."""
     try:
         new_fps = apply()
-        expected = manifest_fingerprints(stored.manifest)
+        expected = stored.manifest.fingerprints
         if new_fps != expected:
             bad = sorted(n for n in expected if new_fps.get(n) != expected[n])[:3]
             raise WrongBase(
@@ -218,7 +196,7 @@ def _apply_and_activate(target: WeightTarget, stored: StoredManifest, apply: Cal
             )
         target.activate(stored.version)
     except BaseException:
-        _abort(target)
+        target.abort()  # put back what the target held before
         raise
 
 
@@ -248,20 +226,20 @@ def execute(
         report.bytes_downloaded += nbytes
         t1 = time.perf_counter()
         try:
-            target.load_full(tensors, manifest_specs(sync_plan.keyframe.manifest))
+            target.load_full(tensors, sync_plan.keyframe.manifest.specs)
             target.activate(sync_plan.keyframe.version)
         except BaseException:
-            _abort(target)
+            target.abort()
             raise
         report.apply_s += time.perf_counter() - t1
         report.keyframe = sync_plan.keyframe.version
-        current = Held(sync_plan.keyframe.version, manifest_fingerprints(sync_plan.keyframe.manifest))
+        current = Held(sync_plan.keyframe.version, dict(sync_plan.keyframe.manifest.fingerprints))
         if on_activate is not None:
             on_activate(sync_plan.keyframe)
     if not sync_plan.patches:
         return report
     if current is None:
-        raise InvalidInput("a patch route needs a held version or a keyframe")
+        raise InternalError("a patch route needs a held version or a keyframe")
     t0 = time.perf_counter()
     refs = [ref for step in sync_plan.patches for ref in (step.manifest.patch.shards if step.manifest.patch else ())]
     blobs = run.download(refs, on_bytes)
@@ -272,9 +250,9 @@ def execute(
     counts: list[int] = []  # shards of each transition
     for step in sync_plan.patches:
         if step.manifest.patch is None:
-            raise InvalidInput(f"version {step.version} has no patch")
+            raise InternalError(f"version {step.version} has no patch, yet a route was planned through it")
         counts.append(len(step.manifest.patch.shards))
-    if len(sync_plan.patches) == 1 and isinstance(target, ShardTarget):
+    if len(sync_plan.patches) == 1 and target.supports_shards:
         # One version behind (the steady state): the target applies straight from the
         # shards once their headers agree with the manifests (patcher.apply_shards).
         step = sync_plan.patches[0]
@@ -288,11 +266,11 @@ def execute(
     else:
         patches: list[Patch] = []
         position = 0
-        parent_fps = current.fingerprints
+        parent_fps: Mapping[str, int] = current.fingerprints
         for step, count in zip(sync_plan.patches, counts, strict=True):
             patches.append(_transition(step, parent_fps, blobs[position : position + count]))
             position += count
-            parent_fps = manifest_fingerprints(step.manifest)
+            parent_fps = step.manifest.fingerprints
         folded = fold(patches) if len(patches) > 1 else patches[0]
         report.decode_s = time.perf_counter() - t1
         report.transitions = len(patches)

@@ -5,12 +5,18 @@ it got (digests, decoding, fingerprint chain) *before* calling the target, so a
 target only ever sees well-formed patches; it still checks base fingerprints and
 verifies the result, and restores what it held when anything fails.
 
-Protocol, in the order a Subscriber calls it::
+:class:`WeightTarget` is the one interface (an ABC, shaped like zarr's ``Store``):
+six abstract methods, defaults for the optional steps, and capability attributes
+that callers read instead of probing. In the order a Subscriber calls it::
 
-    restored()                  -> (version, fingerprints) it holds verified, or None
-    load_full(tensors, specs)   replace everything (fresh node, keyframe)
-    apply(patch, fingerprints)  -> new fingerprints; in place; restores on failure
-    activate(version)           make it live and durable (engine reload, state file)
+    restored()                    -> Held to resume from (version, fingerprints), or None
+    load_full(tensors, specs)     replace everything (fresh node, keyframe)
+    prepare(patch, fingerprints)  optional: check and precompute, reading only
+    apply(patch, fingerprints)    -> new fingerprints; in place; restores on failure
+    apply_shards(shards, fps)     the same from encoded shards (if supports_shards)
+    abort()                       undo a load or apply that will not be activated
+    activate(version)             make it live and durable (engine reload, state file)
+    close()                       release files and handles (idempotent)
 
 Until ``activate`` the previous version is still the one reported as current.
 """
@@ -21,10 +27,12 @@ import json
 import os
 import secrets
 import shutil
+from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
@@ -38,44 +46,97 @@ from bulletin.errors import (
     InvalidInput,
 )
 from bulletin.fileio import write_atomic
+from bulletin.keyspace import check_run_name
 from patcher.apply import apply as apply_patch
 from patcher.apply_shards import apply_shards
+from patcher.decode import decode
 from patcher.fingerprint import fingerprint, format_fingerprint, parse_fingerprint
 from patcher.patch import Patch, TensorSpec
 from schemas.local_state import JournalV1, LocalStateV1
 
-__all__ = ["ArrayTarget", "LocalDirTarget", "WeightTarget"]
+__all__ = ["ArrayTarget", "Held", "LocalDirTarget", "WeightTarget"]
 
 Bits = NDArray[np.unsignedinteger]
+#: A change an ArrayTarget applied: a decoded patch, or the shards it applied straight from.
+_Applied = Patch | Sequence[bytes]
 
 
-@runtime_checkable
-class WeightTarget(Protocol):
-    """Where versions land. Implementations: ArrayTarget, LocalDirTarget, engine adapters."""
+@dataclass(frozen=True, slots=True)
+class Held:
+    """What a target holds, verified: a version and its tensors' fingerprints."""
 
+    version: int
+    fingerprints: dict[str, int]
+
+
+class WeightTarget(ABC):
+    """Where versions land. Implementations: ArrayTarget, LocalDirTarget, engine adapters.
+
+    Subclasses implement the six abstract methods. ``prepare``, ``abort`` and ``close``
+    default to doing nothing, which suits a target whose ``apply`` restores on failure
+    and that changes nothing before ``activate`` or holds nothing to release; override
+    them where that is not so. ``apply_shards`` is offered only where
+    :attr:`supports_shards` says so.
+    """
+
+    #: Whether what the engine serves changes during ``load_full`` / ``apply`` (before
+    #: ``activate``): a gate wrapper then pauses requests around those calls, not only
+    #: around ``activate``. True unless a target knows better: the safe assumption.
+    in_place: bool = True
+
+    @property
+    def supports_shards(self) -> bool:
+        """Whether :meth:`apply_shards` applies straight from encoded shards; sync then
+        skips decoding when a single transition is due."""
+        return False
+
+    @abstractmethod
     def layout(self) -> Mapping[str, TensorSpec] | None:
         """Served tensor name -> spec, or None while nothing is held."""
-        ...
 
-    def restored(self) -> tuple[int, dict[str, int]] | None:
-        """Version and fingerprints held verified since before this process (None if none)."""
-        ...
+    @abstractmethod
+    def restored(self) -> Held | None:
+        """The verified version a Subscriber opened on this target may resume from.
 
+        Durable targets (a folder, an engine backed by one) report the version last
+        activated, also across restarts; volatile ones (host arrays, live tensors)
+        None, since they cannot vouch for bits loaded before this process.
+        """
+
+    @abstractmethod
     def load_full(self, tensors: Mapping[str, Bits], specs: Mapping[str, TensorSpec]) -> None:
-        """Replace every tensor's bits (arrays of the specs' bits dtypes)."""
-        ...
+        """Replace every tensor's bits (arrays of the specs' bits dtypes); checks first."""
 
+    def prepare(self, patch: Patch, fingerprints: Mapping[str, int]) -> None:
+        """Check and precompute an :meth:`apply` of ``patch`` by reading only, so that a
+        caller can pause requests for the writes alone. Default: nothing; apply does it all."""
+        return
+
+    @abstractmethod
     def apply(self, patch: Patch, fingerprints: Mapping[str, int]) -> dict[str, int]:
-        """Apply in place; ``WrongBase`` / ``VerificationFailed`` leave the old bits intact."""
-        ...
+        """Apply in place and return the new fingerprints; ``WrongBase`` (checked before
+        any write) and ``VerificationFailed`` leave the old bits intact."""
 
+    def apply_shards(self, shards: Sequence[bytes], fingerprints: Mapping[str, int]) -> dict[str, int]:
+        """As :meth:`apply` for the patch that ``shards`` encode, without decoding it first."""
+        raise InvalidInput(f"{type(self).__name__} cannot apply from shards (supports_shards is False)")
+
+    @abstractmethod
     def full_fingerprints(self) -> dict[str, int]:
-        """Recompute every tensor's fingerprint from the bits held."""
-        ...
+        """Recompute every tensor's fingerprint from the bits held (staged ones included)."""
 
+    @abstractmethod
     def activate(self, version: int) -> None:
         """Make what was loaded or applied live and durable as ``version``."""
-        ...
+
+    def abort(self) -> None:
+        """Drop a load or apply that will not be activated, restoring the bits of the
+        version activated last where the target can. Default: nothing to undo."""
+        return
+
+    def close(self) -> None:
+        """Release files and handles; idempotent. Default: nothing is held."""
+        return
 
 
 def _check_full(tensors: Mapping[str, Bits], specs: Mapping[str, TensorSpec]) -> None:
@@ -87,54 +148,85 @@ def _check_full(tensors: Mapping[str, Bits], specs: Mapping[str, TensorSpec]) ->
             raise IncompatibleTensors(f"{name}: expected {spec.numel} x {spec.bits_dtype}")
 
 
-@runtime_checkable
-class ShardTarget(WeightTarget, Protocol):
-    """A target that can also apply a patch straight from its shards, without decoding it
-    first; sync uses it when the target is one version behind."""
-
-    def apply_shards(self, shards: Sequence[bytes], fingerprints: Mapping[str, int]) -> dict[str, int]:
-        """As :meth:`WeightTarget.apply` for the patch that ``shards`` encode."""
-        ...
+def _subtract(arrays: Mapping[str, Bits], patch: Patch) -> None:
+    """Undo an applied ``patch``: deltas are ``(new - old) mod 2**bits``, so subtract them."""
+    for td in patch:
+        if td.changed:
+            flat = arrays[td.spec.name].reshape(-1)
+            flat[td.indices] -= td.delta
 
 
-class ArrayTarget:
-    """Bits held in host memory (NumPy): the publisher's resume path, verify, tests."""
+class ArrayTarget(WeightTarget):
+    """Bits held in host memory (NumPy): the publisher's resume path, verify, tests.
+
+    Until :meth:`activate`, what a load replaced and the patches applied are kept
+    (references, no copies) so that :meth:`abort` can put the activated version back.
+    """
 
     def __init__(self) -> None:
         self.specs: dict[str, TensorSpec] | None = None
         self.arrays: dict[str, Bits] = {}
         self.version: int | None = None
+        # What the last activated version was before a load replaced it, and the patches
+        # (or shards) applied since: the undo data of abort.
+        self._replaced: tuple[dict[str, TensorSpec] | None, dict[str, Bits], list[_Applied]] | None = None
+        self._applied: list[_Applied] = []
+
+    @property
+    def supports_shards(self) -> bool:
+        return True
 
     def layout(self) -> Mapping[str, TensorSpec] | None:
         return self.specs
 
-    def restored(self) -> tuple[int, dict[str, int]] | None:
+    def restored(self) -> Held | None:
         return None
 
     def load_full(self, tensors: Mapping[str, Bits], specs: Mapping[str, TensorSpec]) -> None:
         _check_full(tensors, specs)
-        self.arrays = {n: np.array(tensors[n], copy=True).reshape(specs[n].shape) for n in specs}
+        arrays = {n: np.array(tensors[n], copy=True).reshape(specs[n].shape) for n in specs}
+        if self._replaced is None:
+            self._replaced = (self.specs, self.arrays, self._applied)
+        self._applied = []
+        self.arrays = arrays
         self.specs = dict(specs)
 
-    def apply(self, patch: Patch, fingerprints: Mapping[str, int]) -> dict[str, int]:
+    def _held_specs(self) -> dict[str, TensorSpec]:
         if self.specs is None:
             raise InvalidInput("nothing is held yet: load a keyframe first")
-        patch.check_layout(self.specs)
-        return apply_patch(patch, self.arrays, fingerprints)
+        return self.specs
+
+    def apply(self, patch: Patch, fingerprints: Mapping[str, int]) -> dict[str, int]:
+        patch.check_layout(self._held_specs())
+        new = apply_patch(patch, self.arrays, fingerprints)  # restores on failure
+        self._applied.append(patch)
+        return new
 
     def apply_shards(self, shards: Sequence[bytes], fingerprints: Mapping[str, int]) -> dict[str, int]:
-        if self.specs is None:
-            raise InvalidInput("nothing is held yet: load a keyframe first")
-        return apply_shards(shards, self.arrays, fingerprints, specs=self.specs)
+        new = apply_shards(shards, self.arrays, fingerprints, specs=self._held_specs())  # restores on failure
+        self._applied.append(shards)
+        return new
 
     def full_fingerprints(self) -> dict[str, int]:
         return {name: fingerprint(bits) for name, bits in self.arrays.items()}
 
     def activate(self, version: int) -> None:
         self.version = version
+        self._replaced = None
+        self._applied = []
+
+    def abort(self) -> None:
+        applied = self._applied
+        if self._replaced is not None:
+            self.specs, self.arrays, applied = self._replaced
+        for change in reversed(applied):
+            # Shards were applied without a decoded patch; decode them now (rare path).
+            _subtract(self.arrays, change if isinstance(change, Patch) else decode(change))
+        self._replaced = None
+        self._applied = []
 
 
-class LocalDirTarget:
+class LocalDirTarget(WeightTarget):
     """A directory holding the current version as plain safetensors, changed atomically.
 
     Layout::
@@ -159,7 +251,7 @@ class LocalDirTarget:
 
     def __init__(self, directory: str | os.PathLike[str], *, run: str | None = None) -> None:
         self.dir = Path(directory)
-        self.run = run
+        self.run = None if run is None else check_run_name(run)
         self.dir.mkdir(parents=True, exist_ok=True)
         self._state = self._read_state()
         self._checkpoint: Checkpoint | None = None
@@ -185,10 +277,16 @@ class LocalDirTarget:
             raise ConfigError(f"{self.dir} holds run {state.run!r}, not {self.run!r}")
         return state
 
+    def _read_journal(self, path: Path) -> JournalV1:
+        try:
+            return JournalV1.model_validate_json(path.read_bytes())
+        except ValidationError as exc:
+            raise FormatError(f"{path}: unreadable undo journal: {exc.errors()[0]['msg']}") from exc
+
     def _recover(self) -> None:
         journal_path = self.dir / self.JOURNAL
         if journal_path.exists():
-            journal = JournalV1.model_validate_json(journal_path.read_bytes())
+            journal = self._read_journal(journal_path)
             if (
                 self._state is not None
                 and journal.model_dir == self._state.model_dir
@@ -219,10 +317,10 @@ class LocalDirTarget:
     def layout(self) -> Mapping[str, TensorSpec] | None:
         return self._checkpoint.specs if self._checkpoint is not None else None
 
-    def restored(self) -> tuple[int, dict[str, int]] | None:
+    def restored(self) -> Held | None:
         if self._state is None:
             return None
-        return self._state.version, {n: parse_fingerprint(f) for n, f in self._state.fingerprints.items()}
+        return Held(self._state.version, {n: parse_fingerprint(f) for n, f in self._state.fingerprints.items()})
 
     @property
     def staged_path(self) -> Path:
@@ -256,15 +354,15 @@ class LocalDirTarget:
     def apply(self, patch: Patch, fingerprints: Mapping[str, int]) -> dict[str, int]:
         model_dir, ckpt = self._working()
         patch.check_layout(ckpt.specs)
-        in_place = self._state is not None and model_dir == self._state.model_dir
-        if in_place and self._state is not None:
+        journaled = self._state is not None and model_dir == self._state.model_dir
+        if journaled and self._state is not None:
             self._write_journal(patch, ckpt, JournalV1(model_dir=model_dir, from_version=self._state.version))
         arrays = {name: ckpt.bits(name) for name in ckpt.specs}
         try:
             new_fps = apply_patch(patch, arrays, fingerprints)  # restores in memory on failure
             ckpt.flush()
         except BaseException:
-            if in_place:
+            if journaled:
                 self.abort()
             raise
         self._pending = (model_dir, ckpt)
@@ -338,7 +436,7 @@ class LocalDirTarget:
         """Drop a load or apply that will not be activated, restoring what was held."""
         journal_path = self.dir / self.JOURNAL
         if journal_path.exists():
-            journal = JournalV1.model_validate_json(journal_path.read_bytes())
+            journal = self._read_journal(journal_path)
             if self._state is not None and journal.model_dir == self._state.model_dir:
                 self._undo(journal)
         (self.dir / self.UNDO).unlink(missing_ok=True)

@@ -7,12 +7,11 @@ neither CuPy nor torch.
 """
 
 from kernels.dispatch import Backend, as_bits, backend_for, dtype_name
-from kernels.types import BitsArray, DiffCast, IndexArray, IntArray
+from kernels.types import BitsArray, IndexArray, IntArray
 
 __all__ = [
     "Backend",
     "BitsArray",
-    "DiffCast",
     "IndexArray",
     "IntArray",
     "as_bits",

@@ -12,9 +12,9 @@ from typing import Any
 
 import numpy as np
 
-from bulletin.errors import IncompatibleTensors, InvalidInput, WrongBase
 from patcher.cast import CastKind, cast_kind
 from patcher.dtypes import BITS_DTYPES, bits_dtype
+from patcher.errors import IncompatibleTensors, InvalidInput, WrongBase
 from patcher.patch import Patch, check_names
 
 __all__ = [

@@ -31,7 +31,6 @@ from typing import Any, Final, NamedTuple, Protocol
 
 import numpy as np
 
-from bulletin.errors import InvalidInput, VerificationFailed
 from kernels._checks import (
     check_apply,
     check_bits,
@@ -40,10 +39,11 @@ from kernels._checks import (
     check_gaps,
     check_patch_targets,
 )
-from kernels.types import BitsArray, DiffCast, IndexArray, IntArray
+from kernels.types import BitsArray, IndexArray, IntArray
 from patcher.cast import CastKind, cast_kind
 from patcher.dtypes import bits_dtype
-from patcher.patch import Patch
+from patcher.errors import InvalidInput, VerificationFailed
+from patcher.patch import Change, Patch
 
 __all__ = [
     "BLOCK",
@@ -243,7 +243,9 @@ def cast(current: BitsArray, current_dtype: str, served_dtype: str) -> BitsArray
     return _cast(_runtime_of(src), src, kind, served_dtype)
 
 
-def diff_cast(current: BitsArray, kept: BitsArray, *, current_dtype: str, served_dtype: str) -> DiffCast:
+def diff_cast(
+    current: BitsArray, kept: BitsArray, *, current_dtype: str, served_dtype: str
+) -> Change[IndexArray, BitsArray]:
     """Fused cast + compare + compact on the GPU; see ``numpy_twin.diff_cast``."""
     cur = _device_array(current, "current")
     old = _device_array(kept, "kept")
@@ -309,13 +311,13 @@ def _cast(rt: Runtime, src: Any, kind: CastKind, served_dtype: str) -> Any:
         return out
 
 
-def _diff_cast(rt: Runtime, cur: Any, old: Any, kind: CastKind, served_dtype: str) -> DiffCast:
+def _diff_cast(rt: Runtime, cur: Any, old: Any, kind: CastKind, served_dtype: str) -> Change[Any, Any]:
     xp = rt.xp
     served = bits_dtype(served_dtype)
     n = int(cur.size)
     with rt.activate():
         if n == 0:
-            return DiffCast(xp.empty(0, dtype=np.int64), xp.empty(0, dtype=served), 0)
+            return Change(xp.empty(0, dtype=np.int64), xp.empty(0, dtype=served), 0)
         suffix = _SUFFIX[served.itemsize] if kind == "identity" else kind
         plan = plan_diff(rt.ptr(cur), rt.ptr(old), n, cur.dtype.itemsize, served.itemsize)
         mask = xp.empty(plan.tiles * _TILE_MASK_BYTES, dtype=np.uint8)
@@ -326,13 +328,13 @@ def _diff_cast(rt: Runtime, cur: Any, old: Any, kind: CastKind, served_dtype: st
         inclusive = xp.cumsum(counts, dtype=np.int64)
         total = int(inclusive[-1])  # the one small device-to-host copy that sizes outputs
         if total == 0:
-            return DiffCast(xp.empty(0, dtype=np.int64), xp.empty(0, dtype=served), 0)
+            return Change(xp.empty(0, dtype=np.int64), xp.empty(0, dtype=served), 0)
         out_index = xp.empty(total, dtype=np.int64)
         out_delta = xp.empty(total, dtype=served)
         fp = xp.zeros(1, dtype=np.uint64)
         emit_args = (cur, old, shift, mask, counts, inclusive, out_index, out_delta, fp)
         rt.launch("diff", f"diff_emit_{suffix}", plan.tiles, emit_args)
-        return DiffCast(out_index, out_delta, int(fp[0]) & _MASK64)
+        return Change(out_index, out_delta, int(fp[0]) & _MASK64)
 
 
 def _decode_gaps(rt: Runtime, gaps: Any, start: int) -> Any:

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any, Final, Protocol, cast
 
 import numpy as np
 
-from bulletin.errors import InvalidInput, UnsupportedDtype
-from kernels.types import BitsArray, DiffCast, IndexArray, IntArray
+from kernels.types import BitsArray, IndexArray, IntArray
 from patcher.dtypes import BITS_DTYPES
-from patcher.patch import Patch
+from patcher.errors import InvalidInput, UnsupportedDtype
+from patcher.patch import Change, Patch
 
 if TYPE_CHECKING:
     import torch
@@ -32,7 +32,9 @@ class Backend(Protocol):
 
     def cast(self, current: BitsArray, current_dtype: str, served_dtype: str) -> BitsArray: ...
 
-    def diff_cast(self, current: BitsArray, kept: BitsArray, *, current_dtype: str, served_dtype: str) -> DiffCast: ...
+    def diff_cast(
+        self, current: BitsArray, kept: BitsArray, *, current_dtype: str, served_dtype: str
+    ) -> Change[IndexArray, BitsArray]: ...
 
     def decode_gaps(self, gaps: IntArray, start: int = 0) -> IndexArray: ...
 

@@ -1,9 +1,9 @@
 """NumPy twins of the CUDA kernels: the same functions, signatures and bits, on the CPU.
 
 Every function of :mod:`kernels.cuda` has a twin here with the same name and signature
-(tests/kernels/test_signatures.py checks it), built on the pure codecs of ``patcher``.
+(tests/kernels/test_backends.py checks it), built on the pure codecs of ``patcher``.
 Both backends check their arguments the same way (kernels/_checks.py) and raise from
-``bulletin.errors`` before anything is written. Work is chunked: temporaries are
+``patcher.errors`` before anything is written. Work is chunked: temporaries are
 O(chunk + changed elements), never the size of the tensor.
 """
 
@@ -15,7 +15,6 @@ from typing import Any, Final
 import numpy as np
 from numpy.typing import NDArray
 
-from bulletin.errors import InvalidInput
 from kernels._checks import (
     check_apply,
     check_bits,
@@ -24,14 +23,15 @@ from kernels._checks import (
     check_gaps,
     check_patch_targets,
 )
-from kernels.types import BitsArray, DiffCast, IndexArray, IntArray
+from kernels.types import BitsArray, IndexArray, IntArray
 from patcher.apply import apply as _apply_patch
 from patcher.cast import cast_bits
 from patcher.diff import diff_bits
 from patcher.dtypes import bits_dtype
+from patcher.errors import InvalidInput
 from patcher.fingerprint import fingerprint as _fingerprint
 from patcher.fingerprint_update import fingerprint_change
-from patcher.patch import Patch
+from patcher.patch import Change, Patch
 
 __all__ = ["CHUNK_ELEMENTS", "apply", "apply_delta", "cast", "decode_gaps", "diff_cast", "fingerprint"]
 
@@ -54,14 +54,17 @@ def cast(current: BitsArray, current_dtype: str, served_dtype: str) -> BitsArray
     return cast_bits(src, current_dtype, served_dtype)
 
 
-def diff_cast(current: BitsArray, kept: BitsArray, *, current_dtype: str, served_dtype: str) -> DiffCast:
+def diff_cast(
+    current: BitsArray, kept: BitsArray, *, current_dtype: str, served_dtype: str
+) -> Change[IndexArray, BitsArray]:
     """Cast ``current`` to the served dtype, diff it against ``kept``, and update ``kept``.
 
     ``current`` holds the bits of the trainer's weights (``current_dtype``: ``F32``
     masters, or already the served dtype); ``kept`` the bits last published, in
-    ``served_dtype``, same shape, C-contiguous, writable. Returns the changed flat
-    indices (ascending), their deltas ``(new - old) mod 2**bits``, and the fingerprint
-    change; afterwards ``kept`` holds the new bits.
+    ``served_dtype``, same shape, C-contiguous, writable. Returns the
+    :class:`~patcher.patch.Change`: the changed flat indices (ascending) and their deltas
+    ``(new - old) mod 2**bits``, exactly ``patcher.diff.diff_bits(kept, cast(current))``,
+    and the fingerprint change; afterwards ``kept`` holds the new bits.
     """
     cur, old = _numpy(current, "current"), _numpy(kept, "kept")
     kind = check_diff_cast(cur, old, current_dtype, served_dtype)
@@ -88,8 +91,8 @@ def diff_cast(current: BitsArray, kept: BitsArray, *, current_dtype: str, served
         index_parts.append(global_idx)
         delta_parts.append(delta)
     if not index_parts:
-        return DiffCast(np.empty(0, dtype=np.int64), np.empty(0, dtype=served), 0)
-    return DiffCast(np.concatenate(index_parts), np.concatenate(delta_parts), fp & _MASK64)
+        return Change(np.empty(0, dtype=np.int64), np.empty(0, dtype=served), 0)
+    return Change(np.concatenate(index_parts), np.concatenate(delta_parts), fp & _MASK64)
 
 
 def decode_gaps(gaps: IntArray, start: int = 0) -> IndexArray:

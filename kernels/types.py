@@ -7,7 +7,7 @@ is ``Any`` and these aliases read as "a NumPy array, or a CuPy one".
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
 from numpy.typing import NDArray
@@ -15,7 +15,7 @@ from numpy.typing import NDArray
 if TYPE_CHECKING:
     import cupy
 
-__all__ = ["BitsArray", "DiffCast", "IndexArray", "IntArray"]
+__all__ = ["BitsArray", "IndexArray", "IntArray"]
 
 #: Bits of a tensor: an unsigned integer array of the element width (see ``as_bits``).
 BitsArray: TypeAlias = "NDArray[np.unsignedinteger[Any]] | cupy.ndarray"
@@ -23,18 +23,3 @@ BitsArray: TypeAlias = "NDArray[np.unsignedinteger[Any]] | cupy.ndarray"
 IndexArray: TypeAlias = "NDArray[np.int64] | cupy.ndarray"
 #: A 1-d array of any integer dtype (decoded index gaps).
 IntArray: TypeAlias = "NDArray[np.integer[Any]] | cupy.ndarray"
-
-
-class DiffCast(NamedTuple):
-    """What ``diff_cast`` found and did, on the backend's device.
-
-    ``indices``/``delta`` are exactly ``patcher.diff.diff_bits(kept_before, cast(current))``;
-    ``fingerprint_delta`` is what to add (mod 2**64) to the kept bits' fingerprint.
-    """
-
-    #: Flat indices of the elements whose served bits changed, strictly increasing (int64).
-    indices: IndexArray
-    #: ``(new - old) mod 2**bits`` at those indices, in the served dtype's bits dtype.
-    delta: BitsArray
-    #: ``fingerprint(new) - fingerprint(old)`` mod 2**64, an int in [0, 2**64).
-    fingerprint_delta: int

@@ -20,8 +20,8 @@ from typing import Any, Final, TypeVar
 import numpy as np
 from numpy.typing import NDArray
 
-from bulletin.errors import IncompatibleTensors, InvalidInput, VerificationFailed, WrongBase
 from patcher import native
+from patcher.errors import IncompatibleTensors, InvalidInput, VerificationFailed, WrongBase
 from patcher.fingerprint import format_fingerprint
 from patcher.fingerprint_update import fingerprint_change
 from patcher.patch import Patch, TensorDelta, TensorSpec, check_names

@@ -23,10 +23,10 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from bulletin.errors import FormatError
 from patcher import native
 from patcher.apply import apply, check_bases, check_targets, check_threads, run_parallel, verification_failed
 from patcher.decode import EntryStreams, decode, entry_streams, shard_views
+from patcher.errors import FormatError
 from patcher.format import DEFAULT_LIMITS, DecodeLimits
 from patcher.patch import TensorSpec, check_layout
 from patcher.streams import decode_deltas_numpy, decode_gaps_numpy, join_planes

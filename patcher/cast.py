@@ -36,8 +36,8 @@ from typing import Final, Literal
 import numpy as np
 from numpy.typing import NDArray
 
-from bulletin.errors import InvalidInput, UnsupportedDtype
 from patcher.dtypes import bits_dtype, dtype_width
+from patcher.errors import InvalidInput, UnsupportedDtype
 
 __all__ = [
     "BF16_NAN",

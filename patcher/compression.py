@@ -12,23 +12,31 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import Final
+from typing import Final, Literal, get_args
 
 import lz4.block
 import zstandard
 
-from bulletin.errors import CorruptData, FormatError, InvalidInput
+from patcher.errors import CorruptData, FormatError, InvalidInput
 
 __all__ = [
     "CODECS",
+    "DEFAULT_CODEC",
     "DEFAULT_LEVELS",
     "LEVEL_RANGES",
     "ZSTD_MAX_WINDOW",
+    "Codec",
     "Decompressor",
+    "check_codec",
     "make_compressor",
 ]
 
-CODECS: Final = ("zstd", "lz4")
+#: The name of an entropy coder, as shard headers (by id, patcher.format.CODEC_IDS),
+#: manifests and the CLI record it. The one list of codec names.
+Codec = Literal["zstd", "lz4"]
+CODECS: Final[tuple[Codec, ...]] = get_args(Codec)
+#: The codec of ``encode`` and the publisher unless told otherwise.
+DEFAULT_CODEC: Final[Codec] = "zstd"
 #: After the transforms of patcher.streams, zstd levels differ by under 2% on real
 #: patches (docs/FORMAT.md, "For implementers"), so the fastest wins; LZ4 0 is its fast
 #: mode (1..12 select the high-compression coder, ~2% smaller, 5x slower to encode).
@@ -39,10 +47,16 @@ LEVEL_RANGES: Final = {"zstd": (1, 19), "lz4": (0, 12)}
 ZSTD_MAX_WINDOW: Final = 1 << 23
 
 
-def make_compressor(codec: str, level: int | None) -> Callable[[bytes], bytes]:
-    """A function that compresses one stream with ``codec`` at ``level`` (None: default)."""
+def check_codec(codec: str) -> Codec:
+    """``codec`` if it names a codec; raises ``InvalidInput`` otherwise."""
     if codec not in CODECS:
         raise InvalidInput(f"unknown codec {codec!r}; known: {', '.join(CODECS)}")
+    return codec
+
+
+def make_compressor(codec: str, level: int | None) -> Callable[[bytes], bytes]:
+    """A function that compresses one stream with ``codec`` at ``level`` (None: default)."""
+    check_codec(codec)
     if level is None:
         level = DEFAULT_LEVELS[codec]
     lo, hi = LEVEL_RANGES[codec]
@@ -72,9 +86,7 @@ class Decompressor:
     """
 
     def __init__(self, codec: str) -> None:
-        if codec not in CODECS:
-            raise InvalidInput(f"unknown codec {codec!r}; known: {', '.join(CODECS)}")
-        self.codec = codec
+        self.codec = check_codec(codec)
         self._dctx = zstandard.ZstdDecompressor(max_window_size=ZSTD_MAX_WINDOW) if codec == "zstd" else None
 
     def __call__(self, data: memoryview, size: int, what: str) -> bytes | memoryview:

@@ -21,13 +21,13 @@ from typing import Final
 import numpy as np
 from numpy.typing import NDArray
 
-from bulletin.errors import (
+from patcher.compression import Decompressor
+from patcher.errors import (
     CorruptData,
     FormatError,
     InvalidInput,
     UnsupportedFormatVersion,
 )
-from patcher.compression import Decompressor
 from patcher.fingerprint import parse_fingerprint
 from patcher.format import (
     CODEC_NAMES,

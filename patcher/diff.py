@@ -15,13 +15,13 @@ from typing import Any, Final
 import numpy as np
 from numpy.typing import NDArray
 
-from bulletin.errors import IncompatibleTensors, InvalidInput
 from patcher import native
+from patcher.errors import IncompatibleTensors, InvalidInput
 from patcher.fingerprint import fingerprint
 from patcher.fingerprint_update import fingerprint_change
 from patcher.patch import Patch, TensorDelta, TensorSpec, check_names
 
-__all__ = ["CHUNK_WORDS", "as_bits", "diff", "diff_bits"]
+__all__ = ["CHUNK_WORDS", "checked_bits_view", "diff", "diff_bits"]
 
 #: 64-bit words compared per step (1 Mi BF16 elements): the mask (256 KiB) and both
 #: input chunks stay in L2. Measured fastest among 64 Ki .. 1 Mi words.
@@ -36,8 +36,14 @@ _FIRST_CAPACITY_SHIFT: Final = 8
 _MIN_CAPACITY: Final = 1 << 12
 
 
-def as_bits(array: object, spec: TensorSpec, role: str) -> NDArray[np.unsignedinteger]:
-    """A view of ``array`` as the spec's bits dtype, checking width, shape and layout."""
+def checked_bits_view(array: object, spec: TensorSpec, role: str) -> NDArray[np.unsignedinteger]:
+    """A view of NumPy ``array`` as the spec's bits dtype, checked against ``spec``.
+
+    What it adds to a plain bits view (``kernels.as_bits``, the one zero-copy view of
+    any tensor): the element width and shape must be the spec's (``IncompatibleTensors``),
+    and the dtype must hold plain native-order bits in C order (``InvalidInput``);
+    ``role`` names the array in the messages.
+    """
     if not isinstance(array, np.ndarray):
         raise InvalidInput(f"{spec.name} ({role}): expected a NumPy array, got {type(array)}")
     dt = array.dtype
@@ -220,7 +226,10 @@ def diff(
     if base_fingerprints is not None:
         _check_fingerprints(specs, base_fingerprints)
     # Validate every array before the expensive work so bad input fails fast.
-    pairs = {name: (as_bits(old[name], spec, "old"), as_bits(new[name], spec, "new")) for name, spec in specs.items()}
+    pairs = {
+        name: (checked_bits_view(old[name], spec, "old"), checked_bits_view(new[name], spec, "new"))
+        for name, spec in specs.items()
+    }
     out: dict[str, TensorDelta] = {}
     for name in sorted(specs):
         a, b = pairs[name]

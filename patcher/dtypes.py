@@ -11,9 +11,9 @@ from typing import Final
 
 import numpy as np
 
-from bulletin.errors import UnsupportedDtype
+from patcher.errors import UnsupportedDtype
 
-__all__ = ["BITS_DTYPES", "DTYPE_WIDTHS", "FLOAT_DTYPES", "bits_dtype", "dtype_width"]
+__all__ = ["BITS_DTYPES", "DTYPE_WIDTHS", "FLOAT_DTYPES", "SERVED_FLOAT_DTYPES", "bits_dtype", "dtype_width"]
 
 #: safetensors dtype name -> element width in bytes.
 DTYPE_WIDTHS: Final[dict[str, int]] = {
@@ -34,8 +34,11 @@ DTYPE_WIDTHS: Final[dict[str, int]] = {
     "F64": 8,
 }
 
+#: Dtypes a trainer may ask floating-point weights to be served in (patcher.cast casts
+#: F32 to each; any dtype is served as itself).
+SERVED_FLOAT_DTYPES: Final = ("BF16", "F16", "F32")
 #: Floating-point dtypes a trainer's weights are cast from to the served dtype.
-FLOAT_DTYPES: Final = frozenset({"F16", "BF16", "F32", "F64"})
+FLOAT_DTYPES: Final = frozenset({*SERVED_FLOAT_DTYPES, "F64"})
 
 #: element width in bytes -> the unsigned NumPy dtype that holds its bits.
 BITS_DTYPES: Final[dict[int, np.dtype[np.unsignedinteger]]] = {

@@ -22,8 +22,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from bulletin.errors import InvalidInput
-from patcher.compression import make_compressor
+from patcher.compression import DEFAULT_CODEC, Codec, check_codec, make_compressor
+from patcher.errors import InvalidInput
 from patcher.format import (
     CODEC_IDS,
     FILE_TYPE_PATCH_SHARD,
@@ -182,7 +182,7 @@ def _build(pieces: list[_Piece], compress: Compress) -> _Shard:
     return shard
 
 
-def _serialise(shard: _Shard, patch_id: str, index: int, count: int, codec: str, compress: Compress) -> bytes:
+def _serialise(shard: _Shard, patch_id: str, index: int, count: int, codec: Codec, compress: Compress) -> bytes:
     header_json = canonical_json(_document(shard, patch_id, index, count))
     # Names, keys and shapes repeat: the JSON shrinks ~5x, which matters for small models.
     header = compress(header_json)
@@ -276,7 +276,7 @@ def encode(
     patch: Patch,
     *,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-    codec: str = "zstd",
+    codec: str = DEFAULT_CODEC,
     level: int | None = None,
 ) -> list[bytes]:
     """The shards of ``patch``: self-describing byte strings of at most ``max_shard_bytes``.
@@ -288,7 +288,8 @@ def encode(
     Raises ``InvalidInput`` for an invalid patch, codec, level or a limit too small to
     hold a single element.
     """
-    compress = make_compressor(codec, level)
+    name = check_codec(codec)
+    compress = make_compressor(name, level)
     if (
         not isinstance(max_shard_bytes, int)
         or isinstance(max_shard_bytes, bool)
@@ -301,4 +302,4 @@ def encode(
     pieces = [piece for name, info in infos.items() for piece in _pieces(info, patch.tensors[name])]
     shards = _pack(pieces, max_shard_bytes, compress)
     patch_id = compute_patch_id(infos)
-    return [_serialise(shard, patch_id, i, len(shards), codec, compress) for i, shard in enumerate(shards)]
+    return [_serialise(shard, patch_id, i, len(shards), name, compress) for i, shard in enumerate(shards)]

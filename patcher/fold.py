@@ -12,7 +12,7 @@ from itertools import pairwise
 
 import numpy as np
 
-from bulletin.errors import InvalidInput, WrongBase
+from patcher.errors import InvalidInput, WrongBase
 from patcher.patch import Patch, TensorDelta
 
 __all__ = ["fold"]

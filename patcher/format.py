@@ -17,7 +17,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Final
 
-from bulletin.errors import InvalidInput
+from patcher.compression import Codec
+from patcher.errors import InvalidInput
 from patcher.fingerprint import format_fingerprint
 from patcher.patch import TensorSpec
 
@@ -60,8 +61,9 @@ FIXED_HEADER_SIZE: Final = FIXED_HEADER.size
 #: The header CRC covers the fixed header up to (not including) its own field.
 HEADER_CRC_OFFSET: Final = FIXED_HEADER_SIZE - 4
 
-CODEC_IDS: Final[Mapping[str, int]] = {"zstd": 1, "lz4": 2}
-CODEC_NAMES: Final[Mapping[int, str]] = {v: k for k, v in CODEC_IDS.items()}
+#: The id each codec (patcher.compression.CODECS) is recorded as in the fixed header.
+CODEC_IDS: Final[Mapping[Codec, int]] = {"zstd": 1, "lz4": 2}
+CODEC_NAMES: Final[Mapping[int, Codec]] = {v: k for k, v in CODEC_IDS.items()}
 
 #: Indices are int64, so no tensor may have 2**63 elements or more.
 MAX_NUMEL: Final = (1 << 63) - 1

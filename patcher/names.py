@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Final
 
-from bulletin.errors import InvalidTensorName
+from patcher.errors import InvalidTensorName
 
 __all__ = ["MAX_NAME_BYTES", "check_tensor_name"]
 

@@ -13,18 +13,20 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from math import prod
+from typing import Generic, NamedTuple, TypeVar
 
 import numpy as np
 from numpy.typing import NDArray
 
-from bulletin.errors import IncompatibleTensors, InvalidInput
 from patcher import native
 from patcher.dtypes import bits_dtype, dtype_width
+from patcher.errors import IncompatibleTensors, InvalidInput
 from patcher.names import check_tensor_name
 
-__all__ = ["Patch", "TensorDelta", "TensorSpec", "check_layout", "check_names"]
+__all__ = ["Change", "HostChange", "Patch", "TensorDelta", "TensorSpec", "check_layout", "check_names"]
 
 _INT64_MAX = (1 << 63) - 1
+_MASK64 = (1 << 64) - 1
 #: What native check_changes' codes mean, in the words of the NumPy checks.
 _PROBLEMS = {
     1: "index out of range [0, {n})",
@@ -66,6 +68,32 @@ class TensorSpec:
         return bits_dtype(self.dtype)
 
 
+#: The array types of a :class:`Change` (NumPy on the host, CuPy on a GPU).
+_IndexT_co = TypeVar("_IndexT_co", covariant=True)
+_DeltaT_co = TypeVar("_DeltaT_co", covariant=True)
+
+
+class Change(NamedTuple, Generic[_IndexT_co, _DeltaT_co]):
+    """What a diff found in one tensor's bits: the change alone, relative to its base.
+
+    The result of the GPU path's fused diff (``kernels`` ``diff_cast``, CuPy arrays on
+    the device, or NumPy arrays from its twin) and of the trainer's device-kept bits once
+    copied to the host (:data:`HostChange`). It knows neither the tensor's spec nor its
+    base fingerprint; :meth:`TensorDelta.from_change` adds both.
+    """
+
+    #: Flat indices of the elements whose bits changed, strictly increasing (int64).
+    indices: _IndexT_co
+    #: ``(new - old) mod 2**bits`` at those indices, in the tensor's bits dtype.
+    delta: _DeltaT_co
+    #: ``fingerprint(new) - fingerprint(old)`` mod 2**64, an int in [0, 2**64).
+    fingerprint_delta: int
+
+
+#: A :class:`Change` held in host memory.
+HostChange = Change[NDArray[np.int64], NDArray[np.unsignedinteger]]
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class TensorDelta:
     """The change of one tensor: sorted unique indices and wrapping bit deltas.
@@ -74,6 +102,11 @@ class TensorDelta:
     has the spec's bits dtype, the same length, and no zeros. ``base_fingerprint`` and
     ``target_fingerprint`` are the fingerprints (patcher.fingerprint) of the whole
     tensor before and after; they are equal for an unchanged tensor.
+
+    Unlike a :class:`Change` it is self-contained, as a patch shard records it: it
+    carries the tensor's spec (so it can be checked on its own) and both absolute
+    fingerprints (so a holder can check its base before applying, and the result after)
+    rather than only their difference.
     """
 
     spec: TensorSpec
@@ -81,6 +114,12 @@ class TensorDelta:
     delta: NDArray[np.unsignedinteger]
     base_fingerprint: int
     target_fingerprint: int
+
+    @classmethod
+    def from_change(cls, spec: TensorSpec, change: HostChange, base_fingerprint: int) -> TensorDelta:
+        """The delta of ``spec`` that ``change`` makes to bits whose fingerprint is ``base_fingerprint``."""
+        target = (base_fingerprint + change.fingerprint_delta) & _MASK64
+        return cls(spec, change.indices, change.delta, base_fingerprint, target)
 
     @property
     def changed(self) -> int:

@@ -36,8 +36,8 @@ from typing import Final, TypeVar
 import numpy as np
 from numpy.typing import NDArray
 
-from bulletin.errors import FormatError, InvalidInput
 from patcher import native
+from patcher.errors import FormatError, InvalidInput
 from patcher.format import codes_size
 
 __all__ = [

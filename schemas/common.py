@@ -1,14 +1,17 @@
-"""Field types shared by the documents."""
+"""Field types shared by the documents, and the one way document bytes are parsed."""
 
 from __future__ import annotations
 
-from typing import Annotated, Final
+import json
+from typing import Annotated, Final, TypeVar
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
+from patcher.errors import FormatError, UnsupportedFormatVersion
 from patcher.names import check_tensor_name
 
 __all__ = [
+    "MAX_DOCUMENT_BYTES",
     "RUN_NAME_PATTERN",
     "Document",
     "Fingerprint",
@@ -17,9 +20,13 @@ __all__ = [
     "Sha256",
     "TensorName",
     "VersionNumber",
+    "parse_document",
 ]
 
+#: Run names are one path segment: letters, digits, ``.``, ``_``, ``-``; 1-128 long.
 RUN_NAME_PATTERN: Final = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+#: Reader cap for JSON documents; a manifest of 100k tensors stays far below it.
+MAX_DOCUMENT_BYTES: Final = 64 << 20
 
 
 def _tensor_name(name: str) -> str:
@@ -57,3 +64,35 @@ RelativeKey = Annotated[
     str,
     Field(pattern=r"^[A-Za-z0-9_-][A-Za-z0-9._-]*(/[A-Za-z0-9_-][A-Za-z0-9._-]*)*$", max_length=512),
 ]
+
+_D = TypeVar("_D", bound=Document)
+
+
+def parse_document(model: type[_D], data: bytes, *, source: str) -> _D:
+    """Validate the JSON bytes of one document of ``model``'s type and format version.
+
+    Oversized bytes, bytes that are not JSON, and another type of document are
+    ``FormatError``, and a ``spec_version`` other than ``model``'s is
+    ``UnsupportedFormatVersion``, all before full validation; a document the model
+    refuses is ``FormatError`` with pydantic's first message. ``source`` (a key or a
+    path) begins every message.
+    """
+    kind: str = model.model_fields["format"].default
+    version: int = model.model_fields["spec_version"].default
+    if len(data) > MAX_DOCUMENT_BYTES:
+        raise FormatError(f"{source}: {len(data)} bytes exceeds the {MAX_DOCUMENT_BYTES} cap")
+    try:
+        raw = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise FormatError(f"{source}: not JSON: {exc}") from None
+    if not isinstance(raw, dict) or raw.get("format") != kind:
+        raise FormatError(f"{source}: not a {kind} document")
+    if raw.get("spec_version") != version:
+        raise UnsupportedFormatVersion(
+            f"{source}: {kind} spec_version {raw.get('spec_version')!r} is not supported "
+            f"by this reader (knows {version}); upgrade bulletin"
+        )
+    try:
+        return model.model_validate_json(data)
+    except ValidationError as exc:
+        raise FormatError(f"{source}: invalid {kind.removeprefix('bulletin.')}: {exc.errors()[0]['msg']}") from exc

@@ -5,9 +5,9 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Literal
 
-from schemas.common import Document, RunName, Sha256, VersionNumber
+from schemas.common import Document, RunName, Sha256, VersionNumber, parse_document
 
-__all__ = ["HeadV1"]
+__all__ = ["HeadV1", "parse_head"]
 
 
 class HeadV1(Document):
@@ -24,3 +24,9 @@ class HeadV1(Document):
     """SHA-256 of that version's manifest bytes."""
     updated_at: datetime
     """UTC time of the move."""
+
+
+def parse_head(data: bytes, *, source: str = "head") -> HeadV1:
+    """Validate head bytes; raises ``FormatError`` / ``UnsupportedFormatVersion``
+    (:func:`schemas.common.parse_document`)."""
+    return parse_document(HeadV1, data, source=source)

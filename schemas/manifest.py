@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import datetime
+from functools import cached_property
+from types import MappingProxyType
 from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
+from patcher.compression import Codec
+from patcher.fingerprint import parse_fingerprint
+from patcher.patch import TensorSpec
 from schemas.common import (
     Document,
     Fingerprint,
@@ -15,9 +21,18 @@ from schemas.common import (
     Sha256,
     TensorName,
     VersionNumber,
+    parse_document,
 )
 
-__all__ = ["KeyframeRef", "ManifestV1", "ObjectRef", "PatchRef", "TensorEntry", "VersionStats"]
+__all__ = [
+    "KeyframeRef",
+    "ManifestV1",
+    "ObjectRef",
+    "PatchRef",
+    "TensorEntry",
+    "VersionStats",
+    "parse_manifest",
+]
 
 DtypeName = Literal[
     "BOOL", "U8", "I8", "F8_E4M3", "F8_E5M2", "U16", "I16", "F16", "BF16",
@@ -52,7 +67,7 @@ class ObjectRef(Document):
 class PatchRef(Document):
     """The transition from the parent version to this one."""
 
-    codec: Literal["zstd", "lz4"]
+    codec: Codec
     """Entropy coder of the shards' streams (also recorded in each shard's header)."""
     shards: tuple[ObjectRef, ...]
     """Every shard of the patch, in shard order."""
@@ -126,6 +141,35 @@ class ManifestV1(Document):
         if names != sorted(names) or len(set(names)) != len(names):
             raise ValueError("tensors must be sorted by name and unique")
         return self
+
+    # The codec's view of the tensors, computed once per manifest (on first use) and
+    # handed out read-only. The cached dicts are plain, so a manifest still pickles;
+    # ``model_copy(update=...)``, which pydantic does not validate, would carry them over
+    # stale: build a new manifest instead.
+
+    @cached_property
+    def _specs(self) -> dict[str, TensorSpec]:
+        return {t.name: TensorSpec(t.name, t.dtype, tuple(t.shape)) for t in self.tensors}
+
+    @cached_property
+    def _fingerprints(self) -> dict[str, int]:
+        return {t.name: parse_fingerprint(t.fingerprint) for t in self.tensors}
+
+    @property
+    def specs(self) -> Mapping[str, TensorSpec]:
+        """Every tensor's codec spec (name, dtype, shape), by name, in name order."""
+        return MappingProxyType(self._specs)
+
+    @property
+    def fingerprints(self) -> Mapping[str, int]:
+        """Every tensor's fingerprint in this version, as an int, by name."""
+        return MappingProxyType(self._fingerprints)
+
+
+def parse_manifest(data: bytes, *, source: str = "manifest") -> ManifestV1:
+    """Validate manifest bytes; raises ``FormatError`` / ``UnsupportedFormatVersion``
+    (:func:`schemas.common.parse_document`)."""
+    return parse_document(ManifestV1, data, source=source)
 
 
 #: Every manifest version a reader understands, by its ``spec_version``.

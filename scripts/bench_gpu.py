@@ -46,10 +46,10 @@ sys.path.insert(0, str(ROOT))
 
 from kernels import numpy_twin  # noqa: E402
 from kernels.dispatch import Backend  # noqa: E402
-from kernels.types import DiffCast  # noqa: E402
+from kernels.types import BitsArray, IndexArray  # noqa: E402
 from patcher.decode import decode  # noqa: E402
 from patcher.encode import encode  # noqa: E402
-from patcher.patch import Patch, TensorDelta, TensorSpec  # noqa: E402
+from patcher.patch import Change, Patch, TensorDelta, TensorSpec  # noqa: E402
 
 MASK64: Final = (1 << 64) - 1
 TB: Final = 1e12
@@ -242,7 +242,7 @@ def _bench_bf16(device: Device, n: int, reps: int) -> dict[str, Any]:
     scratch = None
     device.free()
 
-    def fused() -> DiffCast:
+    def fused() -> Change[IndexArray, BitsArray]:
         return backend.diff_cast(current, kept, current_dtype="BF16", served_dtype="BF16")
 
     seconds = median_time(device, fused, reps, _undo(backend, kept))
@@ -273,7 +273,7 @@ def _bench_f32(device: Device, n: int, reps: int) -> dict[str, Any]:
     device.flip(kept, 0.01, seed=4)
     read = (4 + 2) * n
 
-    def fused() -> DiffCast:
+    def fused() -> Change[IndexArray, BitsArray]:
         return backend.diff_cast(current, kept, current_dtype="F32", served_dtype="BF16")
 
     seconds = median_time(device, fused, reps, _undo(backend, kept))

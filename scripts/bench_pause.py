@@ -44,22 +44,27 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig
 
-from bulletin.engines.torch_module import TorchTarget
-from bulletin.publisher import Publisher
-from bulletin.sidecar.gate import ActivationGate
-from bulletin.sidecar.metrics import SidecarMetrics
-from bulletin.sidecar.worker import GateBridge, GatedTarget
-from bulletin.subscriber import Subscriber
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
+from bulletin.engines.torch_module import TorchTarget  # noqa: E402
+from bulletin.publisher import Publisher  # noqa: E402
+from bulletin.sidecar.gate import ActivationGate  # noqa: E402
+from bulletin.sidecar.metrics import SidecarMetrics  # noqa: E402
+from bulletin.sidecar.worker import GateBridge, GatedTarget  # noqa: E402
+from bulletin.subscriber import Subscriber  # noqa: E402
+from scripts._common import llama, llama_config  # noqa: E402
+
+#: Sizes of :func:`scripts._common.llama_config`, on top of its defaults.
 PRESETS: dict[str, dict[str, int]] = {
-    # The end-to-end test's model.
-    "tiny": {"vocab": 256, "hidden": 64, "inter": 128, "layers": 2, "heads": 4, "kv": 2},
+    # The end-to-end test's model (the defaults).
+    "tiny": {},
     # ~27M parameters (54 MB in BF16): big enough that a full reload is not free on a CPU.
-    "small": {"vocab": 8192, "hidden": 512, "inter": 1376, "layers": 8, "heads": 8, "kv": 4},
+    "small": {"vocab": 8192, "hidden": 512, "intermediate": 1376, "layers": 8, "heads": 8, "kv_heads": 4},
     # ~0.4B parameters: for GPU machines.
-    "medium": {"vocab": 32000, "hidden": 1024, "inter": 2816, "layers": 24, "heads": 16, "kv": 8},
+    "medium": {"vocab": 32000, "hidden": 1024, "intermediate": 2816, "layers": 24, "heads": 16, "kv_heads": 8},
 }
 
 
@@ -92,26 +97,6 @@ class PresetResult:
     devices: list[DeviceResult] = field(default_factory=list)
 
 
-def _config(p: dict[str, int]) -> LlamaConfig:
-    return LlamaConfig(
-        vocab_size=p["vocab"],
-        hidden_size=p["hidden"],
-        intermediate_size=p["inter"],
-        num_hidden_layers=p["layers"],
-        num_attention_heads=p["heads"],
-        num_key_value_heads=p["kv"],
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-    )
-
-
-def _bf16_model(config: LlamaConfig, device: str) -> LlamaForCausalLM:
-    model = LlamaForCausalLM(config)
-    torch.nn.Module.to(model, device=device, dtype=torch.bfloat16)
-    torch.nn.Module.eval(model)
-    return model
-
-
 @contextmanager
 def _loop_thread() -> Iterator[asyncio.AbstractEventLoop]:
     """An event loop on its own thread, as the sidecar's: the gate lives there."""
@@ -135,7 +120,7 @@ def _measure_device(
     device: str, config: LlamaConfig, store: str, run: str, versions: list[int], states: list[dict[str, torch.Tensor]]
 ) -> DeviceResult:
     result = DeviceResult(device)
-    model = _bf16_model(config, device)
+    model = llama(config, 1, dtype=torch.bfloat16, device=device)  # weights from the keyframe on
     metrics = SidecarMetrics()
     gated = GatedTarget(TorchTarget.from_module(model), metrics)
     subscriber = Subscriber(store, run, target=gated)
@@ -173,9 +158,8 @@ async def _make_gate() -> ActivationGate:
 
 
 def bench_preset(name: str, *, steps: int, lr: float, devices: list[str]) -> PresetResult:
-    config = _config(PRESETS[name])
-    torch.manual_seed(0)
-    trainer = LlamaForCausalLM(config)
+    config = llama_config(**PRESETS[name], max_positions=128, tied=False)
+    trainer = llama(config, 0)
     params = sum(p.numel() for p in trainer.parameters())
     optimizer = torch.optim.AdamW(trainer.parameters(), lr=lr)
     data = torch.Generator().manual_seed(0)

@@ -28,7 +28,6 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -43,65 +42,9 @@ from bulletin import Publisher, Subscriber  # noqa: E402
 from bulletin.checkpoint import plan_checkpoint, safetensors_bytes  # noqa: E402
 from bulletin.demo import SyntheticAdamW, llama_layout  # noqa: E402
 from bulletin.snapshot import snapshot  # noqa: E402
-from bulletin.storage import ObjectData, ObjectInfo, Store, WriteResult, open_store  # noqa: E402
+from bulletin.storage import open_store  # noqa: E402
+from bulletin.storage.wrapper import CountingStore  # noqa: E402
 from bulletin.target import ArrayTarget  # noqa: E402
-
-
-class CountingStore:
-    """Delegates to a real store and counts requests and payload bytes both ways."""
-
-    def __init__(self, inner: Store) -> None:
-        self.inner = inner
-        self.url = inner.url
-        self.lock = threading.Lock()
-        self.requests = 0
-        self.up = 0
-        self.down = 0
-
-    def _count(self, up: int = 0, down: int = 0) -> None:
-        with self.lock:
-            self.requests += 1
-            self.up += up
-            self.down += down
-
-    def reset(self) -> tuple[int, int, int]:
-        with self.lock:
-            seen = (self.requests, self.up, self.down)
-            self.requests = self.up = self.down = 0
-        return seen
-
-    def get(self, key: str) -> ObjectData:
-        obj = self.inner.get(key)
-        self._count(down=len(obj.data))
-        return obj
-
-    def get_if_changed(self, key: str, etag: str | None) -> ObjectData | None:
-        obj = self.inner.get_if_changed(key, etag)
-        self._count(down=len(obj.data) if obj else 0)
-        return obj
-
-    def stat(self, key: str) -> ObjectInfo:
-        self._count()
-        return self.inner.stat(key)
-
-    def put_if_absent(self, key: str, data: bytes) -> WriteResult:
-        self._count(up=len(data))
-        return self.inner.put_if_absent(key, data)
-
-    def put_if_match(self, key: str, data: bytes, etag: str) -> WriteResult:
-        self._count(up=len(data))
-        return self.inner.put_if_match(key, data, etag)
-
-    def list(self, prefix: str, *, start_after: str | None = None) -> Iterator[ObjectInfo]:
-        self._count()
-        return self.inner.list(prefix, start_after=start_after)
-
-    def delete(self, key: str) -> None:
-        self._count()
-        self.inner.delete(key)
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 class CountingProxy:
@@ -223,14 +166,14 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         version = publisher.publish(masters)
         publish_s = time.perf_counter() - t0
-        pub_requests, up, _ = pub_store.reset()
+        published = pub_store.reset()
         result = publisher.results[-1]
 
         sub_store.reset()
         t0 = time.perf_counter()
         subscriber.sync()
         sync_s = time.perf_counter() - t0
-        sync_requests, _, down = sub_store.reset()
+        synced = sub_store.reset()
 
         # Baseline: the same version as one plain safetensors checkpoint, up and down.
         snap = snapshot(masters)
@@ -249,11 +192,11 @@ def main(argv: list[str] | None = None) -> int:
             version=version,
             kind=kind,
             changed_pct=100 * result.changed_elements / result.total_elements,
-            publish_up_bytes=up,
-            publish_requests=pub_requests,
+            publish_up_bytes=published.up,
+            publish_requests=published.requests,
             publish_s=publish_s,
-            sync_down_bytes=down,
-            sync_requests=sync_requests,
+            sync_down_bytes=synced.down,
+            sync_requests=synced.requests,
             sync_s=sync_s,
             full_bytes=len(full),
             full_upload_s=full_up_s,
@@ -282,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     poll_s = (time.perf_counter() - t0) / args.polls
     time.sleep(0.2)
     sent, received = proxy.reset()
-    requests, _, body_bytes = proxied.reset()
+    polled = proxied.reset()
     proxy.close()
 
     patches = [r for r in rows if r.kind == "patch"]
@@ -300,8 +243,8 @@ def main(argv: list[str] | None = None) -> int:
         "patch_sync_s_mean": float(np.mean([r.sync_s for r in patches])) if patches else None,
         "full_upload_plus_download_s_mean": float(np.mean([r.full_upload_s + r.full_download_s for r in rows])),
         "idle_poll": {
-            "requests_per_poll": requests / args.polls,
-            "body_bytes_per_poll": body_bytes / args.polls,
+            "requests_per_poll": polled.requests / args.polls,
+            "body_bytes_per_poll": polled.down / args.polls,
             "wire_bytes_sent_per_poll": sent / args.polls,
             "wire_bytes_received_per_poll": received / args.polls,
             "seconds_per_poll": poll_s,

@@ -1,14 +1,22 @@
 """The ``bulletin`` command. Thin: the library does the work.
 
 Errors from the library become one line on stderr (``error: <code>: <message>``)
-and an exit status per kind of error; ``--json`` commands print the error as JSON
-on stdout instead. ``BULLETIN_DEBUG=1`` brings tracebacks back.
+and an exit status per kind of error (:mod:`bulletin.cli.output`); under ``--json``
+the error is printed as JSON on stdout instead. ``BULLETIN_DEBUG=1`` brings
+tracebacks back.
+
+Each invocation holds one :class:`~bulletin.cli.output.Output` in the click context
+(``ctx.obj``); ``--json`` is accepted by the group and by every command. Commands
+import the library when they run, so ``bulletin --help`` and every command but
+``serve`` start without the server stack (aiohttp).
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
+from collections.abc import Mapping
 from typing import Final
 
 import click
@@ -24,47 +32,46 @@ from bulletin.cli.bucket import (
 )
 from bulletin.cli.demo import demo_command
 from bulletin.cli.offline import apply_command, diff_command, inspect_command
-from bulletin.cli.output import emit_error
-from bulletin.errors import (
-    BulletinError,
-    Conflict,
-    CorruptData,
-    EngineError,
-    InvalidInput,
-    NotFound,
-    StorageUnavailable,
-    WrongBase,
-)
-from bulletin.sidecar.cli import serve
+from bulletin.cli.output import EXIT_CODES, Output, json_option
+from bulletin.errors import BulletinError
 
 __all__ = ["EXIT_CODES", "cli", "main"]
 
-#: Exit status by what the caller does about it (most specific first).
-EXIT_CODES: Final[tuple[tuple[type[BulletinError], int], ...]] = (
-    (InvalidInput, 2),
-    (NotFound, 3),
-    (Conflict, 4),
-    (CorruptData, 5),
-    (WrongBase, 6),
-    (StorageUnavailable, 7),
-    (EngineError, 8),
-    (BulletinError, 1),
-)
+#: Commands defined outside this package, imported when first listed or run: the
+#: sidecar's command module imports this package's options, so an eager import
+#: here would be circular.
+LAZY_COMMANDS: Final[Mapping[str, str]] = {"serve": "bulletin.sidecar.cli:serve"}
 
 
-def exit_code(exc: BulletinError) -> int:
-    return next(code for kind, code in EXIT_CODES if isinstance(exc, kind))
+class _Group(click.Group):
+    """A group whose :data:`LAZY_COMMANDS` are imported on demand."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *LAZY_COMMANDS})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        where = LAZY_COMMANDS.get(cmd_name)
+        if where is not None and cmd_name not in self.commands:
+            module, _, name = where.partition(":")
+            command = getattr(importlib.import_module(module), name)
+            if not isinstance(command, click.Command):  # pragma: no cover - a wiring bug
+                raise TypeError(f"{where} is not a click command")
+            self.add_command(command, cmd_name)
+        return super().get_command(ctx, cmd_name)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="bulletin")
-def cli() -> None:
+@json_option
+@click.pass_context
+def cli(ctx: click.Context) -> None:
     """Ship RL policy weights as lossless bit-level patches through an S3-compatible bucket.
 
     --store takes a local directory (a bare path or file://), s3://bucket/prefix
     (the standard AWS_* environment applies, with AWS_ENDPOINT_URL_S3 for MinIO or
     LocalStack) or memory://name; it defaults to $BULLETIN_STORE.
     """
+    ctx.ensure_object(Output)
 
 
 for command in (
@@ -78,21 +85,22 @@ for command in (
     verify_command,
     gc_command,
     demo_command,
-    serve,
 ):
     cli.add_command(command)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Console entry point; returns the exit status."""
+    # Created here rather than by the group so that errors raised after the command's
+    # context is gone still print in the format --json asked for.
+    output = Output()
     try:
         # Without standalone mode click returns a command's `Exit` code instead of exiting.
-        result = cli.main(args=argv, prog_name="bulletin", standalone_mode=False)
+        result = cli.main(args=argv, prog_name="bulletin", standalone_mode=False, obj=output)
     except BulletinError as exc:
         if os.environ.get("BULLETIN_DEBUG"):
             raise
-        emit_error(exc)
-        return exit_code(exc)
+        return output.error(exc)
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
         return 130

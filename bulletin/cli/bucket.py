@@ -1,4 +1,8 @@
-"""Commands on a run in a store: publish, sync, log, status, verify, gc."""
+"""Commands on a run in a store: publish, sync, log, status, verify, gc.
+
+The library is imported inside each command, so that ``bulletin --help`` and the
+other commands start without loading the storage and sync stack.
+"""
 
 from __future__ import annotations
 
@@ -10,49 +14,29 @@ from contextlib import contextmanager
 from dataclasses import asdict
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import click
 
-from bulletin.cli.output import emit, human_bytes, json_option, progress_enabled
+from bulletin.cli.options import store_options
+from bulletin.cli.output import Output, human_bytes, json_option, pass_output
 from bulletin.errors import InvalidInput
-from bulletin.maintenance import collect_garbage, log, verify
-from bulletin.publisher import Publisher
-from bulletin.run import Run
-from bulletin.storage import open_store
-from bulletin.subscriber import Subscriber
-from bulletin.target import LocalDirTarget
+from patcher.compression import CODECS, DEFAULT_CODEC
 
 __all__ = [
     "gc_command",
     "log_command",
     "publish_command",
     "status_command",
-    "store_options",
     "sync_command",
     "verify_command",
 ]
 
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def store_options(func: F) -> F:
-    """``--store`` (or $BULLETIN_STORE) and ``--run`` (or $BULLETIN_RUN)."""
-    func = click.option(
-        "--run", envvar="BULLETIN_RUN", required=True, help="Run name inside the store [env: BULLETIN_RUN]."
-    )(func)
-    return click.option(
-        "--store",
-        envvar="BULLETIN_STORE",
-        required=True,
-        help="Local directory, file://, s3://bucket/prefix or memory://name [env: BULLETIN_STORE].",
-    )(func)
-
 
 @contextmanager
-def _byte_progress(label: str) -> Iterator[Callable[[int], None] | None]:
+def _byte_progress(out: Output, label: str) -> Iterator[Callable[[int], None] | None]:
     """A running byte count on stderr when it is a terminal (never under --json)."""
-    if not progress_enabled():
+    if not out.progress:
         yield None
         return
     lock = threading.Lock()
@@ -88,19 +72,22 @@ def _age(created: datetime) -> str:
 @click.argument("checkpoint", type=click.Path(exists=True, path_type=Path))
 @store_options
 @click.option("--keyframe-every", type=click.IntRange(min=1), default=10, show_default=True)
-@click.option("--codec", type=click.Choice(["zstd", "lz4"]), default="zstd", show_default=True)
+@click.option("--codec", type=click.Choice(CODECS), default=DEFAULT_CODEC, show_default=True)
 @click.option("--meta", multiple=True, metavar="KEY=VALUE", help="Annotation stored in the manifest.")
 @json_option
+@pass_output
 def publish_command(
+    out: Output,
     checkpoint: Path,
     store: str,
     run: str,
     keyframe_every: int,
     codec: str,
     meta: tuple[str, ...],
-    as_json: bool,
 ) -> None:
     """Publish a safetensors checkpoint (file or directory) as the run's next version."""
+    from bulletin.publisher import Publisher
+
     metadata = {}
     for item in meta:
         key, sep, value = item.partition("=")
@@ -108,7 +95,7 @@ def publish_command(
             raise InvalidInput(f"--meta wants KEY=VALUE, got {item!r}")
         metadata[key] = value
     t0 = time.perf_counter()
-    with _byte_progress("uploading") as on_bytes:
+    with _byte_progress(out, "uploading") as on_bytes:
         pub = Publisher(store, run, keyframe_every=keyframe_every, codec=codec, on_bytes=on_bytes)
         result = pub.publish_checkpoint(checkpoint, metadata=metadata)
         pub.close()
@@ -132,7 +119,7 @@ def publish_command(
             f"keyframe {human_bytes(result.keyframe_bytes)}; {pct:.3f}% changed) in {data['seconds']:.2f}s"
         )
 
-    emit(data, human)
+    out.emit(data, human)
 
 
 @click.command("sync")
@@ -142,12 +129,16 @@ def publish_command(
 @click.option("--follow", is_flag=True, help="Keep polling and applying new versions until interrupted.")
 @click.option("--interval", type=click.FloatRange(min=0.05), default=2.0, show_default=True)
 @json_option
+@pass_output
 def sync_command(
-    store: str, run: str, local_dir: Path, version: int | None, follow: bool, interval: float, as_json: bool
+    out: Output, store: str, run: str, local_dir: Path, version: int | None, follow: bool, interval: float
 ) -> None:
     """Bring a local directory to a version of the run (safetensors under DIR/current)."""
+    from bulletin.subscriber import Subscriber
+    from bulletin.target import LocalDirTarget
+
     with (
-        _byte_progress("downloading") as on_bytes,
+        _byte_progress(out, "downloading") as on_bytes,
         Subscriber(store, run, local_dir, on_bytes=on_bytes) as sub,
     ):
         before = sub.current_version
@@ -167,7 +158,7 @@ def sync_command(
             "keyframe": report.keyframe if report else None,
             "transitions": report.transitions if report else 0,
         }
-        emit(
+        out.emit(
             data,
             lambda: click.echo(
                 f"{run}: {before or 'nothing'} -> {reached} in {seconds:.2f}s "
@@ -179,7 +170,7 @@ def sync_command(
         for reached in sub.follow(interval=interval, on_error=lambda exc: click.echo(f"warning: {exc}", err=True)):
             last = sub.stats.last_report
             line = f"{run}: now at version {reached}"
-            emit(
+            out.emit(
                 {"run": run, "version": reached, "bytes_downloaded": last.bytes_downloaded if last else 0},
                 lambda line=line: click.echo(line),  # type: ignore[misc]
             )
@@ -189,8 +180,13 @@ def sync_command(
 @store_options
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="Newest versions shown.")
 @json_option
-def log_command(store: str, run: str, limit: int | None, as_json: bool) -> None:
+@pass_output
+def log_command(out: Output, store: str, run: str, limit: int | None) -> None:
     """The run's chain, newest first: version, kind, bytes, changed %, age."""
+    from bulletin.maintenance import log
+    from bulletin.run import Run
+    from bulletin.storage import open_store
+
     entries = log(Run(open_store(store), run), limit=limit)
 
     def human() -> None:
@@ -200,15 +196,20 @@ def log_command(store: str, run: str, limit: int | None, as_json: bool) -> None:
             pct = f"{100 * e.changed_fraction:.3f}" if e.changed_fraction is not None else "-"
             click.echo(f"{e.version:>8}  {e.kind:<15} {human_bytes(size):>12} {pct:>10} {_age(e.created_at):>7}")
 
-    emit([asdict(e) | {"changed_fraction": e.changed_fraction} for e in entries], human)
+    out.emit([asdict(e) | {"changed_fraction": e.changed_fraction} for e in entries], human)
 
 
 @click.command("status")
 @store_options
 @click.option("--local", "local_dir", type=click.Path(file_okay=False, path_type=Path), default=None)
 @json_option
-def status_command(store: str, run: str, local_dir: Path | None, as_json: bool) -> None:
+@pass_output
+def status_command(out: Output, store: str, run: str, local_dir: Path | None) -> None:
     """The run's head and newest version, and a local copy's version and lag."""
+    from bulletin.run import Run
+    from bulletin.storage import open_store
+    from bulletin.target import LocalDirTarget
+
     remote = Run(open_store(store), run)
     head = remote.read_head()
     tip = remote.tip()
@@ -221,8 +222,8 @@ def status_command(store: str, run: str, local_dir: Path | None, as_json: bool) 
     }
     if local_dir is not None:
         restored = LocalDirTarget(local_dir, run=run).restored() if local_dir.exists() else None
-        data["local_version"] = restored[0] if restored else None
-        data["lag"] = (tip.version - restored[0]) if tip and restored else None
+        data["local_version"] = restored.version if restored else None
+        data["lag"] = (tip.version - restored.version) if tip and restored else None
 
     def human() -> None:
         click.echo(f"run {run} in {remote.store.url}")
@@ -230,14 +231,19 @@ def status_command(store: str, run: str, local_dir: Path | None, as_json: bool) 
         if local_dir is not None:
             click.echo(f"  local {local_dir}: {data['local_version'] or 'empty'} (lag {data['lag']})")
 
-    emit(data, human)
+    out.emit(data, human)
 
 
 @click.command("verify")
 @store_options
 @json_option
-def verify_command(store: str, run: str, as_json: bool) -> None:
+@pass_output
+def verify_command(out: Output, store: str, run: str) -> None:
     """Recompute the whole chain: digests, links, head, and every version's bits."""
+    from bulletin.maintenance import verify
+    from bulletin.run import Run
+    from bulletin.storage import open_store
+
     report = verify(Run(open_store(store), run))
     data = {
         "ok": report.ok,
@@ -258,7 +264,7 @@ def verify_command(store: str, run: str, as_json: bool) -> None:
         for problem in report.problems:
             click.echo(f"  - {problem}")
 
-    emit(data, human)
+    out.emit(data, human)
     if not report.ok:
         raise click.exceptions.Exit(5)
 
@@ -275,8 +281,13 @@ def verify_command(store: str, run: str, as_json: bool) -> None:
     help="Unreferenced objects younger than this are kept (publishes in flight).",
 )
 @json_option
-def gc_command(store: str, run: str, keep: int, dry_run: bool, grace_minutes: int, as_json: bool) -> None:
+@pass_output
+def gc_command(out: Output, store: str, run: str, keep: int, dry_run: bool, grace_minutes: int) -> None:
     """Delete versions older than the newest KEEP (never what a keyframe chain needs)."""
+    from bulletin.maintenance import collect_garbage
+    from bulletin.run import Run
+    from bulletin.storage import open_store
+
     report = collect_garbage(
         Run(open_store(store), run), keep=keep, dry_run=dry_run, grace=timedelta(minutes=grace_minutes)
     )
@@ -288,4 +299,4 @@ def gc_command(store: str, run: str, keep: int, dry_run: bool, grace_minutes: in
             f"manifests and {len(report.deleted_objects)} objects ({human_bytes(report.deleted_bytes)})"
         )
 
-    emit(report, human)
+    out.emit(report, human)

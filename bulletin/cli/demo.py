@@ -6,8 +6,7 @@ from pathlib import Path
 
 import click
 
-from bulletin.cli.output import emit, json_option
-from bulletin.demo import run_demo
+from bulletin.cli.output import Output, json_option, pass_output
 
 __all__ = ["demo_command"]
 
@@ -26,14 +25,17 @@ __all__ = ["demo_command"]
 @click.option("--keyframe-every", type=click.IntRange(min=1), default=5, show_default=True)
 @click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=1e-6, show_default=True)
 @json_option
-def demo_command(directory: Path, params: int, versions: int, keyframe_every: int, lr: float, as_json: bool) -> None:
+@pass_output
+def demo_command(out: Output, directory: Path, params: int, versions: int, keyframe_every: int, lr: float) -> None:
     """Publish a realistic run to a local directory bucket and sync a replica from it."""
+    from bulletin.demo import run_demo
+
     report = run_demo(
         directory,
         params=params,
         versions=versions,
         keyframe_every=keyframe_every,
         lr=lr,
-        say=(lambda _line: None) if as_json else click.echo,
+        say=out.say,
     )
-    emit(report, lambda: None)
+    out.emit(report, lambda: None)

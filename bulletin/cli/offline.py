@@ -9,21 +9,15 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
-import numpy as np
 
-from bulletin.checkpoint import Checkpoint, safetensors_bytes, write_checkpoint
-from bulletin.cli.output import emit, human_bytes, json_option
-from bulletin.errors import IncompatibleTensors, InvalidInput, WrongBase
-from bulletin.fileio import write_atomic
-from patcher.apply import apply as apply_patch
-from patcher.decode import decode, read_shard_header
-from patcher.diff import diff
-from patcher.encode import encode
-from patcher.fingerprint import fingerprint, format_fingerprint
-from patcher.patch import Patch
+from bulletin.cli.output import Output, human_bytes, json_option, pass_output
+from patcher.compression import CODECS, DEFAULT_CODEC
+
+if TYPE_CHECKING:
+    from patcher.patch import Patch
 
 __all__ = ["apply_command", "diff_command", "inspect_command", "patch_summary"]
 
@@ -37,6 +31,9 @@ def patch_summary(patch: Patch, data: bytes) -> dict[str, Any]:
     ``bytes`` is its share of the compressed payload in proportion to its decoded
     stream bytes; the totals are exact.
     """
+    from patcher.decode import read_shard_header
+    from patcher.fingerprint import format_fingerprint
+
     header = read_shard_header(data)
     decoded: dict[str, int] = {}
     for entry in header.entries:
@@ -75,10 +72,17 @@ def patch_summary(patch: Patch, data: bytes) -> dict[str, Any]:
 @click.argument("old", type=click.Path(exists=True, path_type=Path))
 @click.argument("new", type=click.Path(exists=True, path_type=Path))
 @click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="Patch file to write.")
-@click.option("--codec", type=click.Choice(["zstd", "lz4"]), default="zstd", show_default=True)
+@click.option("--codec", type=click.Choice(CODECS), default=DEFAULT_CODEC, show_default=True)
 @json_option
-def diff_command(old: Path, new: Path, output: Path, codec: str, as_json: bool) -> None:
+@pass_output
+def diff_command(out: Output, old: Path, new: Path, output: Path, codec: str) -> None:
     """Write the exact bit difference between two safetensors checkpoints."""
+    from bulletin.checkpoint import Checkpoint
+    from bulletin.errors import IncompatibleTensors
+    from bulletin.fileio import write_atomic
+    from patcher.diff import diff
+    from patcher.encode import encode
+
     t0 = time.perf_counter()
     with Checkpoint(old) as a, Checkpoint(new) as b:
         if a.specs != b.specs:
@@ -98,7 +102,7 @@ def diff_command(old: Path, new: Path, output: Path, codec: str, as_json: bool) 
             f"{human_bytes(patch.total_bytes)} dense"
         )
 
-    emit(summary, human)
+    out.emit(summary, human)
 
 
 @click.command("apply")
@@ -112,8 +116,18 @@ def diff_command(old: Path, new: Path, output: Path, codec: str, as_json: bool) 
     help="A .safetensors file, or a directory for an HF-style checkpoint.",
 )
 @json_option
-def apply_command(base: Path, patch_file: Path, output: Path, as_json: bool) -> None:
+@pass_output
+def apply_command(out: Output, base: Path, patch_file: Path, output: Path) -> None:
     """Rebuild the new checkpoint from BASE and PATCH, verified bit for bit."""
+    import numpy as np
+
+    from bulletin.checkpoint import Checkpoint, safetensors_bytes, write_checkpoint
+    from bulletin.errors import InvalidInput, WrongBase
+    from bulletin.fileio import write_atomic
+    from patcher.apply import apply as apply_patch
+    from patcher.decode import decode
+    from patcher.fingerprint import fingerprint
+
     t0 = time.perf_counter()
     patch = decode([patch_file.read_bytes()])
     if output.exists() and output.resolve() == base.resolve():
@@ -144,15 +158,18 @@ def apply_command(base: Path, patch_file: Path, output: Path, as_json: bool) -> 
         "verified": True,
         "seconds": time.perf_counter() - t0,
     }
-    emit(summary, lambda: click.echo(f"wrote {', '.join(map(str, written))} ({len(new_fps)} tensors verified)"))
+    out.emit(summary, lambda: click.echo(f"wrote {', '.join(map(str, written))} ({len(new_fps)} tensors verified)"))
 
 
 @click.command("inspect")
 @click.argument("patch_file", metavar="PATCH", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--top", type=int, default=20, show_default=True, help="Tensors listed (most changed first).")
 @json_option
-def inspect_command(patch_file: Path, top: int, as_json: bool) -> None:
+@pass_output
+def inspect_command(out: Output, patch_file: Path, top: int) -> None:
     """Show what a patch file changes, per tensor and in total."""
+    from patcher.decode import decode
+
     data = patch_file.read_bytes()
     summary = patch_summary(decode([data]), data)
 
@@ -171,4 +188,4 @@ def inspect_command(patch_file: Path, top: int, as_json: bool) -> None:
                 f"{t['total_elements']:>14,} {pct:>8.3f} {t['bytes']:>10,}"
             )
 
-    emit(summary, human)
+    out.emit(summary, human)

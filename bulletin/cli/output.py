@@ -1,41 +1,64 @@
-"""Output for people and for machines (``--json``), and the one-line error format."""
+"""Output for people and for machines (``--json``), and the one place errors become one line.
+
+Every command prints through the :class:`Output` held in the click context
+(``ctx.obj``): the group's ``--json`` and each command's ``--json`` set it, so both
+``bulletin --json log ...`` and ``bulletin log ... --json`` work. :func:`exit_status`
+maps the library's exceptions to exit statuses.
+"""
 
 from __future__ import annotations
 
 import json
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, is_dataclass
+from dataclasses import asdict, dataclass, is_dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 import click
 
-from bulletin.errors import BulletinError
+from bulletin.errors import (
+    BulletinError,
+    Conflict,
+    CorruptData,
+    EngineError,
+    InternalError,
+    InvalidInput,
+    NotFound,
+    StorageUnavailable,
+    WrongBase,
+)
 
-__all__ = ["emit", "emit_error", "human_bytes", "json_option", "to_jsonable"]
+__all__ = [
+    "EXIT_CODES",
+    "Output",
+    "exit_status",
+    "human_bytes",
+    "json_option",
+    "pass_output",
+    "to_jsonable",
+]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-_state = {"json": False}
+#: Exit status by what the caller does about it (most specific first).
+EXIT_CODES: Final[tuple[tuple[type[BulletinError], int], ...]] = (
+    (InvalidInput, 2),
+    (NotFound, 3),
+    (Conflict, 4),
+    (CorruptData, 5),
+    (WrongBase, 6),
+    (StorageUnavailable, 7),
+    (EngineError, 8),
+    (InternalError, 9),
+    (BulletinError, 1),
+)
 
 
-def _set_json(ctx: click.Context, param: click.Parameter, value: bool) -> bool:
-    _state["json"] = bool(value)
-    return bool(value)
-
-
-def json_option(func: F) -> F:
-    """``--json``: print one JSON document on stdout instead of text."""
-    return click.option(
-        "--json",
-        "as_json",
-        is_flag=True,
-        is_eager=True,
-        callback=_set_json,
-        help="Print machine-readable JSON on stdout.",
-    )(func)
+def exit_status(exc: BulletinError) -> int:
+    """The exit status for ``exc`` (see :data:`EXIT_CODES`)."""
+    return next(code for kind, code in EXIT_CODES if isinstance(exc, kind))
 
 
 def to_jsonable(value: Any) -> Any:
@@ -52,20 +75,63 @@ def to_jsonable(value: Any) -> Any:
     return value
 
 
-def emit(data: Any, human: Callable[[], None]) -> None:
-    """JSON on stdout under ``--json``, else whatever ``human`` prints."""
-    if _state["json"]:
-        click.echo(json.dumps(to_jsonable(data), indent=2, sort_keys=True))
-    else:
-        human()
+@dataclass(slots=True)
+class Output:
+    """How one invocation prints: text for people, or JSON documents on stdout.
+
+    Mutable on purpose: the group creates it, and a command's own ``--json`` may
+    switch it on after the group has run.
+    """
+
+    json: bool = False
+
+    def emit(self, data: Any, human: Callable[[], None]) -> None:
+        """JSON on stdout under ``--json``, else whatever ``human`` prints."""
+        if self.json:
+            click.echo(json.dumps(to_jsonable(data), indent=2, sort_keys=True))
+        else:
+            human()
+
+    def say(self, line: str) -> None:
+        """A progress line for people; nothing under ``--json`` (stdout holds the document)."""
+        if not self.json:
+            click.echo(line)
+
+    def error(self, exc: BulletinError) -> int:
+        """Print ``exc`` as one line (stderr, or a JSON document on stdout); return the exit status."""
+        message = str(exc).replace("\n", " ")
+        if self.json:
+            click.echo(json.dumps({"error": {"code": exc.code, "type": type(exc).__name__, "message": message}}))
+        else:
+            click.echo(f"error: {exc.code}: {message}", err=True)
+        return exit_status(exc)
+
+    @property
+    def progress(self) -> bool:
+        """Whether running counters may be drawn on stderr (a terminal, and not ``--json``)."""
+        return not self.json and sys.stderr.isatty()
 
 
-def emit_error(exc: BulletinError) -> None:
-    message = str(exc).replace("\n", " ")
-    if _state["json"]:
-        click.echo(json.dumps({"error": {"code": exc.code, "type": type(exc).__name__, "message": message}}))
-    else:
-        click.echo(f"error: {exc.code}: {message}", err=True)
+#: Passes the invocation's :class:`Output` as a command's first argument.
+pass_output = click.make_pass_decorator(Output, ensure=True)
+
+
+def _set_json(ctx: click.Context, param: click.Parameter, value: bool) -> None:
+    # Only ever switch on: a command without --json keeps the group's --json.
+    if value:
+        ctx.ensure_object(Output).json = True
+
+
+def json_option(func: F) -> F:
+    """``--json``: print one JSON document on stdout instead of text (group or command)."""
+    return click.option(
+        "--json",
+        is_flag=True,
+        is_eager=True,
+        expose_value=False,
+        callback=_set_json,
+        help="Print machine-readable JSON on stdout.",
+    )(func)
 
 
 def human_bytes(n: float) -> str:
@@ -74,7 +140,3 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     return f"{n:.2f} TiB"  # pragma: no cover
-
-
-def progress_enabled() -> bool:
-    return not _state["json"] and sys.stderr.isatty()

@@ -25,14 +25,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
 
 from bulletin.engines.http import engine_url, request_json
 from bulletin.errors import EngineError
-from bulletin.target import LocalDirTarget
+from bulletin.target import Held, LocalDirTarget, WeightTarget
 from patcher.patch import Patch, TensorSpec
 
 __all__ = ["SGLangTarget"]
@@ -40,7 +40,7 @@ __all__ = ["SGLangTarget"]
 Bits = NDArray[np.unsignedinteger]
 
 
-class SGLangTarget:
+class SGLangTarget(WeightTarget):
     """A :class:`~bulletin.target.WeightTarget` for an SGLang server at ``url``.
 
     ``local`` is the folder SGLang was launched from (``--model-path <dir>/current``) or
@@ -50,7 +50,7 @@ class SGLangTarget:
     """
 
     #: The engine's weights change only at ``activate`` (the reload).
-    in_place: ClassVar[bool] = False
+    in_place = False
 
     def __init__(
         self,
@@ -72,7 +72,7 @@ class SGLangTarget:
     def layout(self) -> Mapping[str, TensorSpec] | None:
         return self.local.layout()
 
-    def restored(self) -> tuple[int, dict[str, int]] | None:
+    def restored(self) -> Held | None:
         return self.local.restored()
 
     def load_full(self, tensors: Mapping[str, Bits], specs: Mapping[str, TensorSpec]) -> None:
@@ -139,8 +139,8 @@ class SGLangTarget:
         model_path = self.local.model_path
         if restored is None or model_path is None:
             return
-        if self.engine_version() != str(restored[0]):
-            self.reload(model_path.resolve(), restored[0])
+        if self.engine_version() != str(restored.version):
+            self.reload(model_path.resolve(), restored.version)
 
 
 def _staged_folder(local: LocalDirTarget) -> Path:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 from numpy.typing import NDArray
@@ -42,6 +42,7 @@ from bulletin.errors import (
     VerificationFailed,
     WrongBase,
 )
+from bulletin.target import Held, WeightTarget
 from kernels.dispatch import DTYPE_NAMES
 from patcher.fingerprint import format_fingerprint
 from patcher.fingerprint_update import fingerprint_change
@@ -316,7 +317,7 @@ class _Prepared:
     device: list[_DeviceWrite]
 
 
-class TorchTarget:
+class TorchTarget(WeightTarget):
     """A :class:`~bulletin.target.WeightTarget` over live torch tensors, patched in place.
 
     ``tensors`` maps served names to the tensors the engine computes with (contiguous,
@@ -342,7 +343,7 @@ class TorchTarget:
     """
 
     #: Live weights change during ``load_full`` and ``apply``, not only at ``activate``.
-    in_place: ClassVar[bool] = True
+    in_place = True
 
     def __init__(
         self,
@@ -395,7 +396,7 @@ class TorchTarget:
     def layout(self) -> Mapping[str, TensorSpec]:
         return self._specs
 
-    def restored(self) -> tuple[int, dict[str, int]] | None:
+    def restored(self) -> Held | None:
         # Live tensors hold whatever the process loaded; nothing is known to be verified.
         return None
 

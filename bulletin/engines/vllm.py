@@ -36,7 +36,7 @@ import secrets
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 from numpy.typing import NDArray
@@ -45,7 +45,7 @@ from bulletin import errors
 from bulletin.engines.http import engine_url, request_json
 from bulletin.engines.torch_module import TorchTarget, packed_views
 from bulletin.errors import BulletinError, EngineError, FormatError, InvalidInput
-from bulletin.target import LocalDirTarget
+from bulletin.target import Held, LocalDirTarget, WeightTarget
 from patcher.fingerprint import format_fingerprint, parse_fingerprint
 from patcher.patch import Patch, TensorSpec
 
@@ -226,7 +226,7 @@ class BulletinWorkerExtension:
 # -- sidecar side ------------------------------------------------------------------------
 
 
-class VLLMTarget:
+class VLLMTarget(WeightTarget):
     """A :class:`~bulletin.target.WeightTarget` for a vLLM server at ``url``.
 
     ``local`` is the folder vLLM was started from; ``spool_dir`` (default
@@ -234,7 +234,7 @@ class VLLMTarget:
     """
 
     #: Workers' parameters change during ``load_full`` and ``apply``.
-    in_place: ClassVar[bool] = True
+    in_place = True
 
     def __init__(
         self,
@@ -296,7 +296,7 @@ class VLLMTarget:
     def layout(self) -> Mapping[str, TensorSpec] | None:
         return self.local.layout()
 
-    def restored(self) -> tuple[int, dict[str, int]] | None:
+    def restored(self) -> Held | None:
         """The folder's verified version, if the engine demonstrably holds the same bits."""
         restored = self.local.restored()
         specs = self.local.layout()
@@ -308,10 +308,10 @@ class VLLMTarget:
             raise  # unreachable or broken engine: say so instead of reloading blindly
         except BulletinError:
             return None  # its parameters do not hold this layout: start from a keyframe
-        if engine != restored[1]:
+        if engine != restored.fingerprints:
             log.warning(
                 "vLLM does not hold version %d of %s (started from another checkpoint?); loading a keyframe into it",
-                restored[0],
+                restored.version,
                 self.local.dir,
             )
             return None
@@ -359,7 +359,9 @@ class VLLMTarget:
         self.local.abort()
 
     def full_fingerprints(self) -> dict[str, int]:
-        specs = self.local.layout()
+        # The workers' layout is the one loaded last, which the folder reports only once
+        # it is activated.
+        specs = self._bound_specs if self._bound_specs is not None else self.local.layout()
         if specs is None:
             return {}
         return self._fingerprints(specs)

@@ -11,35 +11,26 @@ Engines (``--engine``):
 - ``torch``: build the model of ``--model-config`` (an HF config) in this process,
   serve it with the built-in OpenAI-compatible server, and patch it in place.
 
-See docs/ENGINES.md for how to start each engine and docs/SIDECAR.md for the HTTP
-contract.
+The command only turns its flags into :class:`~bulletin.sidecar.compose.SidecarSettings`;
+:func:`~bulletin.sidecar.compose.build_sidecar` does the wiring. See docs/ENGINES.md
+for how to start each engine and docs/SIDECAR.md for the HTTP contract.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
-import signal
-import socket
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import click
-from aiohttp import web
 
-from bulletin.errors import ConfigError
-from bulletin.sidecar.app import Sidecar, SidecarConfig
-from bulletin.sidecar.metrics import SidecarMetrics
-from bulletin.sidecar.worker import GatedTarget
+from bulletin.cli.options import store_options
+from bulletin.cli.output import json_option
+from bulletin.sidecar.compose import ENGINES
 
 __all__ = ["serve"]
-
-log = logging.getLogger("bulletin.sidecar")
-
-ENGINES = ("local", "torch", "sglang", "vllm")
 
 
 class _JsonFormatter(logging.Formatter):
@@ -67,54 +58,9 @@ def _configure_logging(json_logs: bool, level: str) -> None:
     root.setLevel(level.upper())
 
 
-def _loopback_socket(port: int) -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", port))
-    sock.listen(128)
-    return sock
-
-
-def _build_torch_engine(
-    model_config: Path, dtype: str, device: str, model_name: str, threads: int | None
-) -> tuple[Any, web.Application]:
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from bulletin.engines.hf_server import CompletionServer
-    from bulletin.engines.torch_module import TorchTarget, torch_dtype
-
-    if threads is not None:
-        torch.set_num_threads(threads)
-    config = AutoConfig.from_pretrained(str(model_config))
-    # Random weights until the first keyframe lands; requests wait for a verified version.
-    model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
-    model = model.to(device=device, dtype=torch_dtype(dtype)).eval()
-    return TorchTarget.from_module(model), CompletionServer(model, model_name=model_name).create_app()
-
-
-def _wait_for_engine(url: str, timeout: float) -> None:
-    """Engines load for a while after their process starts; the adapters need them up."""
-    import urllib.error
-    import urllib.request
-
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=5.0) as resp:
-                if resp.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
-        if time.monotonic() > deadline:
-            raise ConfigError(f"the engine at {url} did not answer /health within {timeout:.0f} s")
-        time.sleep(1.0)
-
-
 @click.command("serve")
-@click.option("--store", envvar="BULLETIN_STORE", required=True, help="Store URL (default: $BULLETIN_STORE).")
-@click.option("--run", "run", envvar="BULLETIN_RUN", required=True, help="Run to follow.")
-@click.option("--engine", type=click.Choice(ENGINES), default="local", show_default=True, help="Engine adapter.")
+@store_options
+@click.option("--engine", type=click.Choice(list(ENGINES)), default="local", show_default=True, help="Engine adapter.")
 @click.option("--upstream", envvar="BULLETIN_UPSTREAM", help="Engine base URL (not with --engine torch).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address the sidecar listens on.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
@@ -155,6 +101,7 @@ def _wait_for_engine(url: str, timeout: float) -> None:
 @click.option("--engine-port", type=click.IntRange(0, 65535), default=0, help="Loopback port of the torch engine.")
 @click.option("--json-logs", is_flag=True, help="Log one JSON object per line on stderr.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info")
+@json_option  # errors at start-up as JSON on stdout, like every command's
 def serve(
     store: str,
     run: str,
@@ -179,8 +126,9 @@ def serve(
     log_level: str,
 ) -> None:
     """Serve an engine behind the version-aware sidecar, following RUN in STORE."""
-    from bulletin.subscriber import Subscriber
-    from bulletin.target import LocalDirTarget
+    # The server stack (aiohttp) loads only here, so that other commands start without it.
+    from bulletin.sidecar.app import SidecarConfig
+    from bulletin.sidecar.compose import SidecarSettings, TorchEngineSettings, build_sidecar
 
     _configure_logging(json_logs, log_level)
     config = SidecarConfig(
@@ -189,73 +137,27 @@ def serve(
         poll_interval=poll_interval,
         drain_timeout=drain_timeout,
     )
-    metrics = SidecarMetrics()
-    engine_app: web.Application | None = None
-    engine_sock: socket.socket | None = None
-    if engine == "torch":
-        if model_config is None or upstream is not None or local_dir is not None:
-            raise ConfigError("--engine torch takes --model-config, and neither --upstream nor --local-dir")
-        inner, engine_app = _build_torch_engine(model_config, dtype, device, model_name, torch_threads)
-        engine_sock = _loopback_socket(engine_port)
-        upstream = f"http://127.0.0.1:{engine_sock.getsockname()[1]}"
-    else:
-        if upstream is None or local_dir is None:
-            raise ConfigError(f"--engine {engine} needs --upstream and --local-dir")
-        local = LocalDirTarget(local_dir, run=run)
-        if engine == "local":
-            inner = local
-        elif engine == "sglang":
-            from bulletin.engines.sglang import SGLangTarget
-
-            _wait_for_engine(upstream, wait_for_engine)
-            inner = SGLangTarget(local, upstream, timeout=engine_timeout)
-            inner.reconcile()
-        else:
-            from bulletin.engines.vllm import VLLMTarget
-
-            _wait_for_engine(upstream, wait_for_engine)
-            inner = VLLMTarget(local, upstream, timeout=engine_timeout)
-    # A local folder changes nothing the engine serves until something reloads it.
-    target = GatedTarget(inner, metrics, in_place=False if engine == "local" else None)
-    subscriber = Subscriber(store, run, target=target, on_bytes=metrics.bytes_downloaded.inc)
-    sidecar = Sidecar(subscriber, upstream, config=config, target=target, metrics=metrics, engine=engine, run=run)
-    asyncio.run(_serve(sidecar, host, port, engine_app, engine_sock))
-
-
-async def _serve(
-    sidecar: Sidecar,
-    host: str,
-    port: int,
-    engine_app: web.Application | None,
-    engine_sock: socket.socket | None,
-) -> None:
-    runners: list[web.AppRunner] = []
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        if engine_app is not None and engine_sock is not None:
-            engine_runner = web.AppRunner(engine_app, access_log=None)
-            await engine_runner.setup()
-            runners.append(engine_runner)
-            await web.SockSite(engine_runner, engine_sock).start()
-        runner = web.AppRunner(sidecar.create_app(), access_log=None)
-        await runner.setup()
-        runners.append(runner)
-        site = web.TCPSite(runner, host, port)
-        await site.start()
-        bound = runner.addresses[0] if runner.addresses else (host, port)
-        log.info(
-            "sidecar listening on http://%s:%s in front of %s (engine %s, run %s)",
-            bound[0],
-            bound[1],
-            sidecar.upstream,
-            sidecar.engine,
-            sidecar.run,
+    torch = None
+    if engine == "torch" and model_config is not None:
+        torch = TorchEngineSettings(
+            model_config=model_config,
+            model_name=model_name,
+            dtype=dtype,
+            device=device,
+            threads=torch_threads,
+            port=engine_port,
         )
-        await stop.wait()
-        log.info("stopping")
-    finally:
-        for runner in reversed(runners):
-            await runner.cleanup()
+    settings = SidecarSettings(
+        store=store,
+        run=run,
+        engine=engine,
+        upstream=upstream,
+        local_dir=local_dir,
+        torch=torch,
+        host=host,
+        port=port,
+        config=config,
+        engine_timeout=engine_timeout,
+        wait_for_engine=wait_for_engine,
+    )
+    build_sidecar(settings).run()

@@ -20,7 +20,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, TypeVar
@@ -32,9 +32,9 @@ from bulletin.errors import BulletinError, EngineError
 from bulletin.sidecar.gate import ActivationGate
 from bulletin.sidecar.metrics import SidecarMetrics
 from bulletin.sidecar.requirements import VersionRequirement
+from bulletin.target import Held, WeightTarget
 
 if TYPE_CHECKING:
-    from bulletin.target import WeightTarget
     from patcher.patch import Patch, TensorSpec
 
 __all__ = ["GateBridge", "GatedTarget", "SubscriberLike", "SyncStatus", "SyncWorker"]
@@ -132,20 +132,20 @@ class GateBridge:
             log.warning("could not update the activation gate: %r", exc)
 
 
-class GatedTarget:
+class GatedTarget(WeightTarget):
     """A WeightTarget that holds the activation gate while the engine's weights change.
 
-    Targets that change live weights before ``activate`` declare ``in_place = True``
-    (the torch and vLLM targets); for the others (a local folder an engine reloads
-    from) only ``activate`` pauses requests. Unknown targets are treated as in place
-    unless ``in_place`` says otherwise.
+    For targets whose :attr:`~bulletin.target.WeightTarget.in_place` is true (the torch
+    and vLLM targets, and any that do not say otherwise) ``load_full`` and the applies
+    pause requests too; for the others (SGLang, a local folder an engine reloads from)
+    only ``activate`` does. ``in_place`` given here overrides the inner target's.
     """
 
     def __init__(
         self, inner: WeightTarget, metrics: SidecarMetrics | None = None, *, in_place: bool | None = None
     ) -> None:
         self.inner = inner
-        self.in_place = bool(getattr(inner, "in_place", True)) if in_place is None else in_place
+        self.in_place = inner.in_place if in_place is None else in_place
         self.metrics = metrics or SidecarMetrics()
         self.bridge: GateBridge | None = None
 
@@ -156,7 +156,11 @@ class GatedTarget:
     def layout(self) -> Mapping[str, TensorSpec] | None:
         return self.inner.layout()
 
-    def restored(self) -> tuple[int, dict[str, int]] | None:
+    @property
+    def supports_shards(self) -> bool:
+        return self.inner.supports_shards
+
+    def restored(self) -> Held | None:
         return self.inner.restored()
 
     def load_full(self, tensors: Mapping[str, Bits], specs: Mapping[str, TensorSpec]) -> None:
@@ -166,23 +170,30 @@ class GatedTarget:
         self.inner.load_full(tensors, specs)
         self.metrics.apply_seconds.observe(time.perf_counter() - started)
 
+    def prepare(self, patch: Patch, fingerprints: Mapping[str, int]) -> None:
+        self.inner.prepare(patch, fingerprints)
+
     def apply(self, patch: Patch, fingerprints: Mapping[str, int]) -> dict[str, int]:
         if self.in_place:
             # Targets that can check and precompute an apply by reading only do it while
             # requests still run, so that the pause below is the writes alone.
-            prepare = getattr(self.inner, "prepare", None)
-            if callable(prepare):
-                prepare(patch, fingerprints)
+            self.inner.prepare(patch, fingerprints)
             self._hold()
         started = time.perf_counter()
         result = self.inner.apply(patch, fingerprints)
         self.metrics.apply_seconds.observe(time.perf_counter() - started)
         return result
 
+    def apply_shards(self, shards: Sequence[bytes], fingerprints: Mapping[str, int]) -> dict[str, int]:
+        if self.in_place:
+            self._hold()  # decoding and writing are one pass: nothing to do before the pause
+        started = time.perf_counter()
+        result = self.inner.apply_shards(shards, fingerprints)
+        self.metrics.apply_seconds.observe(time.perf_counter() - started)
+        return result
+
     def abort(self) -> None:
-        abort = getattr(self.inner, "abort", None)
-        if callable(abort):
-            abort()
+        self.inner.abort()
 
     def full_fingerprints(self) -> dict[str, int]:
         return self.inner.full_fingerprints()
@@ -199,9 +210,7 @@ class GatedTarget:
             self.bridge.release(None)
 
     def close(self) -> None:
-        close = getattr(self.inner, "close", None)
-        if callable(close):
-            close()
+        self.inner.close()
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,7 +21,8 @@ from typing import IO, Any
 
 import aiohttp
 import pytest
-from transformers import LlamaConfig
+
+from scripts._common import llama_config
 
 pytestmark = pytest.mark.slow
 
@@ -61,16 +62,7 @@ class Cluster:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     tmp = tmp_path_factory.mktemp("e2e")
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,  # tied weights: served once, patched through either name
-    )
+    config = llama_config(tied=True)  # tied weights: served once, patched through either name
     config.save_pretrained(tmp / "config")
     store = str(tmp / "store")
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}

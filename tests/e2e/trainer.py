@@ -15,12 +15,16 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import torch
 from transformers import AutoConfig, LlamaForCausalLM
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the repository root
+
 from bulletin.engines.hf_server import greedy_generate
 from bulletin.publisher import Publisher
+from scripts._common import llama, serving
 
 SEED = 1234
 LR = 3e-3
@@ -30,12 +34,8 @@ def main() -> None:
     store, run, config_dir, prompts_json, max_tokens, top = sys.argv[1:7]
     torch.set_num_threads(1)  # the rollout serves with one thread too: same kernels, same bits
     config = AutoConfig.from_pretrained(config_dir)
-    torch.manual_seed(SEED)
-    model = LlamaForCausalLM(config)
-    reference = LlamaForCausalLM(config)
-    # Module's own `to`/`eval`: transformers' typed wrappers of them confuse mypy.
-    torch.nn.Module.to(reference, torch.bfloat16)
-    torch.nn.Module.eval(reference)
+    model = llama(config, SEED)
+    reference = serving(LlamaForCausalLM(config))
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     prompts = json.loads(prompts_json)
     data = torch.Generator().manual_seed(SEED)

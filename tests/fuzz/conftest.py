@@ -1,10 +1,7 @@
-"""Every test here runs twice: on the compiled fast path and on the NumPy codec alone."""
+"""Every test here runs twice, as the codec tests do: tests/patcher's autouse fixture."""
 
 from __future__ import annotations
 
-import pytest
+from tests.patcher.conftest import _both_codec_paths
 
-
-@pytest.fixture(autouse=True)
-def _both_codec_paths(codec_path: str) -> str:
-    return codec_path
+__all__ = ["_both_codec_paths"]

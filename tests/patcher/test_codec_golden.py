@@ -58,7 +58,7 @@ def test_encode_reproduces_golden_bytes(case: Any) -> None:
     expected = _expected(CURRENT)
     if expected["libraries"] != library_versions():
         # Compressors may emit other (equally valid) bytes in other versions; the
-        # can-read-old test still runs. Regenerate with scripts/make_golden.py --force.
+        # can-read-old test still runs. Regenerate with tests/golden/make.py --force.
         pytest.skip(f"golden bytes were written by {expected['libraries']}, not {library_versions()}")
     recorded = expected["cases"][case.name]
     patch = build(case)
@@ -85,7 +85,7 @@ def test_golden_cases_cover_the_format() -> None:
 
 
 def test_make_golden_refuses_to_overwrite(tmp_path: Path) -> None:
-    script = Path(__file__).resolve().parents[2] / "scripts" / "make_golden.py"
+    script = Path(__file__).resolve().parents[1] / "golden" / "make.py"
 
     def run(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, check=False)

@@ -112,7 +112,8 @@ class ChainMachine(RuleBasedStateMachine):
                 continue
             target = node.target
             assert isinstance(target, LocalDirTarget)
-            assert target.full_fingerprints() == (target.restored() or (0, {}))[1]
+            restored = target.restored()
+            assert target.full_fingerprints() == (restored.fingerprints if restored else {})
             if version in self.model:
                 held = ArrayTarget()
                 try:

@@ -113,7 +113,7 @@ def test_node_killed_at_any_instant_recovers_an_exact_version(tmp_path: Path) ->
         restored = target.restored()
         if restored is None:
             continue
-        version, fps = restored
+        version, fps = restored.version, restored.fingerprints
         assert fps == expected[version]
         assert target.full_fingerprints() == expected[version], f"bits on disk are not version {version}"
         target.close()

@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 
 from bulletin.errors import FormatError, UnsupportedFormatVersion
-from bulletin.run import parse_head, parse_manifest, sha256_hex
+from bulletin.run import sha256_hex
+from schemas.head import parse_head
+from schemas.manifest import parse_manifest
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "documents"
 

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
-from typing import TypeVar
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -13,15 +11,6 @@ from hypothesis import strategies as st
 from bulletin.errors import InvalidInput
 from bulletin.sidecar.gate import ActivationGate, Lease, Refusal
 from bulletin.sidecar.requirements import VersionRequirement
-
-T = TypeVar("T")
-
-
-def run(coro: Awaitable[T]) -> T:
-    async def main() -> T:
-        return await coro
-
-    return asyncio.run(main())
 
 
 def test_nothing_active_is_not_ready_after_the_budget() -> None:
@@ -32,7 +21,7 @@ def test_nothing_active_is_not_ready_after_the_budget() -> None:
         assert out.waited >= 0.02
         assert gate.waiting == 0
 
-    run(scenario())
+    asyncio.run(scenario())
 
 
 def test_admitted_at_the_active_version_and_released() -> None:
@@ -46,7 +35,7 @@ def test_admitted_at_the_active_version_and_released() -> None:
         gate.leave(lease)  # idempotent
         assert gate.in_flight == 0
 
-    run(scenario())
+    asyncio.run(scenario())
 
 
 def test_waits_for_a_newer_version_and_asks_for_it() -> None:
@@ -64,7 +53,7 @@ def test_waits_for_a_newer_version_and_asks_for_it() -> None:
         lease = await waiter
         assert isinstance(lease, Lease) and lease.version == 6
 
-    run(scenario())
+    asyncio.run(scenario())
 
 
 def test_exact_versions_in_the_past_are_gone() -> None:
@@ -79,7 +68,7 @@ def test_exact_versions_in_the_past_are_gone() -> None:
         out = await waiter
         assert isinstance(out, Refusal) and out.reason == "gone"
 
-    run(scenario())
+    asyncio.run(scenario())
 
 
 def test_behind_when_the_budget_runs_out() -> None:
@@ -91,7 +80,7 @@ def test_behind_when_the_budget_runs_out() -> None:
         assert "at least version 2" in out.message
         assert gate.waiting == 0
 
-    run(scenario())
+    asyncio.run(scenario())
 
 
 def test_activation_waits_for_leases_and_holds_new_requests() -> None:
@@ -116,7 +105,7 @@ def test_activation_waits_for_leases_and_holds_new_requests() -> None:
         assert gate.activations == 2  # 1, then 2
         assert not old.preempted
 
-    run(scenario())
+    asyncio.run(scenario())
 
 
 def test_drain_timeout_preempts_and_marks_the_lease() -> None:
@@ -130,7 +119,7 @@ def test_drain_timeout_preempts_and_marks_the_lease() -> None:
         gate.release_exclusive(2)
         assert stream.activation != gate.activations
 
-    run(scenario())
+    asyncio.run(scenario())
 
 
 def test_busy_when_an_activation_outlasts_the_budget() -> None:
@@ -144,7 +133,7 @@ def test_busy_when_an_activation_outlasts_the_budget() -> None:
         lease = await gate.enter(VersionRequirement(minimum=1), 0.02)
         assert isinstance(lease, Lease) and lease.version == 1
 
-    run(scenario())
+    asyncio.run(scenario())
 
 
 def test_a_failed_activation_keeps_the_version() -> None:
@@ -159,7 +148,7 @@ def test_a_failed_activation_keeps_the_version() -> None:
         assert isinstance(lease, Lease) and lease.version == 7
         assert gate.activations == 1
 
-    run(scenario())
+    asyncio.run(scenario())
 
 
 def test_exclusive_misuse_is_refused() -> None:
@@ -171,7 +160,7 @@ def test_exclusive_misuse_is_refused() -> None:
         with pytest.raises(InvalidInput):
             await gate.acquire_exclusive(None)
 
-    run(scenario())
+    asyncio.run(scenario())
 
 
 def test_a_cancelled_waiter_leaves_no_trace() -> None:
@@ -188,7 +177,7 @@ def test_a_cancelled_waiter_leaves_no_trace() -> None:
         gate.set_active(3)
         assert gate.in_flight == 0
 
-    run(scenario())
+    asyncio.run(scenario())
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -253,4 +242,4 @@ def test_random_schedules_keep_the_invariants(ops: list[tuple[str, object, int]]
             gate.leave(lease)
         assert gate.in_flight == 0 and gate.waiting == 0
 
-    run(scenario())
+    asyncio.run(scenario())

@@ -4,39 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 import torch
 from aiohttp.test_utils import TestClient, TestServer
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from bulletin.engines.hf_server import CompletionServer, greedy_generate
-from tests.sidecar.models import cast
+from scripts._common import llama, llama_config
 
-T = TypeVar("T")
-CONFIG = LlamaConfig(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=48,
-)
+CONFIG = llama_config(vocab=64, hidden=32, intermediate=64, max_positions=48, tied=False)
 
 
 def _model(dtype: torch.dtype = torch.bfloat16) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    return cast(LlamaForCausalLM(CONFIG), dtype)
-
-
-def run(coro: Awaitable[T]) -> T:
-    async def main() -> T:
-        return await coro
-
-    return asyncio.run(main())
+    return llama(CONFIG, 0, dtype=dtype)
 
 
 async def _post(client: TestClient[Any, Any], body: Any) -> tuple[int, Any]:
@@ -68,7 +50,7 @@ def test_completion_equals_greedy_generate() -> None:
             async with client.get("/health") as resp:
                 assert resp.status == 200
 
-    run(scenario())
+    asyncio.run(scenario())
 
 
 def test_stream_sends_each_token_then_done() -> None:
@@ -90,7 +72,7 @@ def test_stream_sends_each_token_then_done() -> None:
             assert chunks[-1]["finish_reason"] == "length"
             assert all(c["finish_reason"] is None for c in chunks[:-1])
 
-    run(scenario())
+    asyncio.run(scenario())
 
 
 def test_stop_token_ids_end_the_completion() -> None:
@@ -144,7 +126,7 @@ def test_bad_requests_are_400_with_an_openai_error(body: Any) -> None:
             assert status == 400
             assert answer["error"]["type"] == "invalid_request_error" and answer["error"]["message"]
 
-    run(scenario())
+    asyncio.run(scenario())
 
 
 def test_body_that_is_not_json_is_400() -> None:
@@ -153,4 +135,4 @@ def test_body_that_is_not_json_is_400() -> None:
         async with TestClient(server) as client, client.post("/v1/completions", data=b"{nope") as resp:
             assert resp.status == 400
 
-    run(scenario())
+    asyncio.run(scenario())

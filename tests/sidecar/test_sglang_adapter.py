@@ -6,31 +6,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from bulletin.engines.sglang import SGLangTarget
 from bulletin.errors import ConfigError, EngineError
 from bulletin.publisher import Publisher
 from bulletin.subscriber import Subscriber
 from bulletin.target import LocalDirTarget
+from scripts._common import llama, llama_config
 from tests.sidecar.engine_servers import SglangServer
-from tests.sidecar.models import cast
 
-CONFIG = LlamaConfig(
-    vocab_size=64,
-    hidden_size=16,
-    intermediate_size=32,
-    num_hidden_layers=1,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    max_position_embeddings=32,
-    tie_word_embeddings=False,
-)
-
-
-def _model(seed: int) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(CONFIG)
+CONFIG = llama_config(vocab=64, hidden=16, intermediate=32, layers=1, heads=2, kv_heads=1, max_positions=32, tied=False)
 
 
 def _same_bits(engine: torch.nn.Module, trainer: torch.nn.Module) -> bool:
@@ -48,7 +33,7 @@ def _step(trainer: torch.nn.Module) -> None:
 
 
 def test_each_version_is_reloaded_and_labelled(tmp_path: Path) -> None:
-    trainer, engine = _model(0), cast(_model(1))
+    trainer, engine = llama(CONFIG, 0), llama(CONFIG, 1, dtype=torch.bfloat16)
     server = SglangServer(engine)
     try:
         local = LocalDirTarget(tmp_path / "local", run="r")
@@ -67,7 +52,7 @@ def test_each_version_is_reloaded_and_labelled(tmp_path: Path) -> None:
 
 
 def test_a_refused_reload_leaves_folder_and_engine_on_the_old_version(tmp_path: Path) -> None:
-    trainer, engine = _model(0), cast(_model(1))
+    trainer, engine = llama(CONFIG, 0), llama(CONFIG, 1, dtype=torch.bfloat16)
     server = SglangServer(engine)
     try:
         local = LocalDirTarget(tmp_path / "local", run="r")
@@ -75,16 +60,17 @@ def test_a_refused_reload_leaves_folder_and_engine_on_the_old_version(tmp_path: 
         with Publisher(str(tmp_path / "store"), "r", keyframe_every=10) as pub:
             pub.publish(trainer.state_dict())
             sub.sync()
-            reference = _model(0)
+            reference = llama(CONFIG, 0)
             reference.load_state_dict(trainer.state_dict())
             _step(trainer)
             pub.publish(trainer.state_dict())
             server.refuse = True
             with pytest.raises(EngineError, match="out of memory"):
                 sub.sync()
-            assert sub.current_version == 1 and local.restored() is not None
-            assert local.restored()[0] == 1  # type: ignore[index]
-            assert local.full_fingerprints() == local.restored()[1]  # type: ignore[index]
+            restored = local.restored()
+            assert sub.current_version == 1 and restored is not None
+            assert restored.version == 1
+            assert local.full_fingerprints() == restored.fingerprints
             assert _same_bits(engine, reference) and server.weight_version == "1"
             server.refuse = False
             assert sub.sync() == 2
@@ -94,7 +80,7 @@ def test_a_refused_reload_leaves_folder_and_engine_on_the_old_version(tmp_path: 
 
 
 def test_reconcile_reloads_an_engine_that_reports_another_version(tmp_path: Path) -> None:
-    trainer, engine = _model(0), cast(_model(1))
+    trainer, engine = llama(CONFIG, 0), llama(CONFIG, 1, dtype=torch.bfloat16)
     server = SglangServer(engine)
     try:
         with Publisher(str(tmp_path / "store"), "r") as pub:
@@ -115,7 +101,7 @@ def test_bad_urls_and_dead_engines(tmp_path: Path) -> None:
     local = LocalDirTarget(tmp_path / "local")
     with pytest.raises(ConfigError):
         SGLangTarget(local, "localhost:30000")
-    server = SglangServer(_model(1))
+    server = SglangServer(llama(CONFIG, 1))
     url = server.url
     server.close()
     with pytest.raises(EngineError, match="unreachable"):

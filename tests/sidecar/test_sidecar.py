@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Awaitable
 from pathlib import Path
-from typing import TypeVar
 
 import pytest
 import torch
@@ -14,15 +12,6 @@ from aiohttp import ClientSession
 
 from bulletin.sidecar import SidecarConfig
 from tests.sidecar.harness import RUN, Stack, stack
-
-T = TypeVar("T")
-
-
-def run(coro: Awaitable[T]) -> T:
-    async def main() -> T:
-        return await coro
-
-    return asyncio.run(main())
 
 
 def test_not_ready_until_the_first_version(tmp_path: Path) -> None:
@@ -43,7 +32,7 @@ def test_not_ready_until_the_first_version(tmp_path: Path) -> None:
             assert status == 200 and headers["X-Bulletin-Version"] == "1"
             assert body["weights"] == pytest.approx(s.engine.weights_sum())
 
-    run(scenario())
+    asyncio.run(scenario())
 
 
 def test_min_version_waits_for_the_trainer_then_serves(tmp_path: Path) -> None:
@@ -58,7 +47,7 @@ def test_min_version_waits_for_the_trainer_then_serves(tmp_path: Path) -> None:
             assert status == 200 and headers["X-Bulletin-Version"] == "2"
             assert body["weights"] != pytest.approx(before)  # computed with version 2's bits
 
-    run(scenario())
+    asyncio.run(scenario())
 
 
 def test_behind_gone_and_exact(tmp_path: Path) -> None:
@@ -79,7 +68,7 @@ def test_behind_gone_and_exact(tmp_path: Path) -> None:
             assert status == 200 and headers["X-Bulletin-Version"] == "2"
             assert len(s.engine.received) == 1
 
-    run(scenario())
+    asyncio.run(scenario())
 
 
 def test_an_exact_version_is_stopped_at_on_the_way_to_the_head(tmp_path: Path) -> None:
@@ -93,7 +82,7 @@ def test_an_exact_version_is_stopped_at_on_the_way_to_the_head(tmp_path: Path) -
             status, headers, _ = await s.post("/v1/completions", headers={"X-Bulletin-Min-Version": "4"})
             assert status == 200 and headers["X-Bulletin-Version"] == "4"
 
-    run(scenario())
+    asyncio.run(scenario())
 
 
 def test_bad_requirements_are_400_and_never_reach_the_engine(tmp_path: Path) -> None:
@@ -110,7 +99,7 @@ def test_bad_requirements_are_400_and_never_reach_the_engine(tmp_path: Path) -> 
                 assert body["error"]["code"] == "invalid_input"
             assert s.engine.received == []
 
-    run(scenario())
+    asyncio.run(scenario())
 
 
 def test_bulletin_parameters_and_headers_are_stripped(tmp_path: Path) -> None:
@@ -129,7 +118,7 @@ def test_bulletin_parameters_and_headers_are_stripped(tmp_path: Path) -> None:
             assert "x-forwarded-for" in lowered
             assert body["body"] == '{"prompt": [1, 2]}'
 
-    run(scenario())
+    asyncio.run(scenario())
 
 
 def test_streams_pass_through_chunk_by_chunk(tmp_path: Path) -> None:
@@ -142,7 +131,7 @@ def test_streams_pass_through_chunk_by_chunk(tmp_path: Path) -> None:
             rest = await resp.read()
             assert rest == b'data: {"n": 2}\n\ndata: [DONE]\n\n'
 
-    run(scenario())
+    asyncio.run(scenario())
 
 
 def test_activation_waits_for_requests_in_flight_and_holds_new_ones(tmp_path: Path) -> None:
@@ -170,7 +159,7 @@ def test_activation_waits_for_requests_in_flight_and_holds_new_ones(tmp_path: Pa
             pauses = s.sidecar.metrics.pause_seconds
             assert pauses.count() >= 2  # keyframe, then the patch
 
-    run(scenario())
+    asyncio.run(scenario())
 
 
 def test_a_stream_outliving_the_drain_timeout_is_told_at_its_end(tmp_path: Path) -> None:
@@ -185,7 +174,7 @@ def test_a_stream_outliving_the_drain_timeout_is_told_at_its_end(tmp_path: Path)
             assert rest.endswith(b": bulletin-version-changed served=1 active=2\n\n")
             assert s.sidecar.metrics.preempted.value() == 1
 
-    run(scenario())
+    asyncio.run(scenario())
 
 
 def test_dead_engine_is_a_clear_502(tmp_path: Path) -> None:
@@ -198,7 +187,7 @@ def test_dead_engine_is_a_clear_502(tmp_path: Path) -> None:
             assert headers["X-Bulletin-Version"] == "1"
             assert s.sidecar.metrics.requests.value("502") == 1
 
-    run(scenario())
+    asyncio.run(scenario())
 
 
 def test_a_failed_sync_keeps_the_last_good_version_serving(tmp_path: Path) -> None:
@@ -229,7 +218,7 @@ def test_a_failed_sync_keeps_the_last_good_version_serving(tmp_path: Path) -> No
             assert status == 200 and headers["X-Bulletin-Version"] == "2"
             assert body["weights"] == weights_v2  # the bits of version 2, intact
 
-    run(scenario())
+    asyncio.run(scenario())
 
 
 def _publish_with_a_rotten_shard(s: Stack) -> None:
@@ -261,7 +250,7 @@ def test_internal_endpoints(tmp_path: Path) -> None:
             assert 'bulletin_requests_total{status="200"} 1' in text
             assert "bulletin_head_version 1" in text and "bulletin_version_lag 0" in text
 
-    run(scenario())
+    asyncio.run(scenario())
 
 
 def test_client_leaving_mid_stream_releases_its_hold(tmp_path: Path) -> None:
@@ -281,4 +270,4 @@ def test_client_leaving_mid_stream_releases_its_hold(tmp_path: Path) -> None:
             await s.publish()
             await s.wait_version(2)
 
-    run(scenario())
+    asyncio.run(scenario())

@@ -8,7 +8,6 @@ from typing import ClassVar
 import numpy as np
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from bulletin.engines.torch_module import TorchTarget, module_tensors, packed_views
 from bulletin.errors import CorruptData, IncompatibleTensors, InvalidInput, VerificationFailed, WrongBase
@@ -18,27 +17,13 @@ from bulletin.subscriber import Subscriber
 from patcher.diff import diff
 from patcher.fingerprint import fingerprint
 from patcher.patch import Patch, TensorDelta, TensorSpec
-from tests.sidecar.models import cast
+from scripts._common import llama, llama_config, serving
 
-TINY = LlamaConfig(
-    vocab_size=96,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=1,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    tie_word_embeddings=True,
-)
+TINY = llama_config(vocab=96, hidden=32, intermediate=64, layers=1)
 
 
 def _bits(t: torch.Tensor) -> np.ndarray:
     return t.detach().reshape(-1).view(torch.uint8).numpy().view(np.uint16).copy()
-
-
-def _llama(seed: int) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(TINY)
 
 
 def _version(model: torch.nn.Module) -> tuple[dict[str, TensorSpec], dict[str, np.ndarray]]:
@@ -47,8 +32,8 @@ def _version(model: torch.nn.Module) -> tuple[dict[str, TensorSpec], dict[str, n
 
 
 def test_tied_weights_are_served_once_under_the_trainers_name() -> None:
-    trainer = _llama(0)
-    served = cast(_llama(1))
+    trainer = llama(TINY, 0)
+    served = llama(TINY, 1, dtype=torch.bfloat16)
     target = TorchTarget.from_module(served)
     snap = snapshot(trainer.state_dict(), dtype="BF16")
     assert dict(target.layout()) == snap.specs  # same names, dtypes, shapes as the trainer's
@@ -57,8 +42,8 @@ def test_tied_weights_are_served_once_under_the_trainers_name() -> None:
 
 
 def test_load_full_then_patch_in_place_matches_the_trainer_bit_for_bit() -> None:
-    trainer = _llama(0)
-    served = cast(_llama(1))
+    trainer = llama(TINY, 0)
+    served = llama(TINY, 1, dtype=torch.bfloat16)
     target = TorchTarget.from_module(served)
     specs, v1 = _version(trainer)
     target.load_full(v1, specs)
@@ -81,7 +66,7 @@ def test_load_full_then_patch_in_place_matches_the_trainer_bit_for_bit() -> None
 
 def _setup() -> tuple[TorchTarget, torch.nn.Linear, Patch, dict[str, int], dict[str, np.ndarray]]:
     torch.manual_seed(3)
-    served = cast(torch.nn.Linear(8, 4))
+    served = serving(torch.nn.Linear(8, 4))
     target = TorchTarget.from_module(served)
     specs = dict(target.layout())
     old = {n: _bits(t).reshape(specs[n].shape) for n, t in target.tensors.items()}
@@ -224,8 +209,8 @@ def test_packed_views_refuse_what_they_cannot_place() -> None:
 
 def test_subscriber_drives_a_live_model(tmp_path: Path) -> None:
     store = str(tmp_path / "store")
-    trainer = _llama(0)
-    served = cast(_llama(1))
+    trainer = llama(TINY, 0)
+    served = llama(TINY, 1, dtype=torch.bfloat16)
     target = TorchTarget.from_module(served)
     with Publisher(store, "r", keyframe_every=2) as pub:
         sub = Subscriber(store, "r", target=target)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from bulletin.engines.torch_module import TorchTarget
 from bulletin.errors import VerificationFailed, WrongBase
@@ -18,7 +18,7 @@ from bulletin.snapshot import snapshot
 from patcher.diff import diff
 from patcher.fingerprint import fingerprint
 from patcher.patch import Patch, TensorDelta
-from tests.sidecar.models import cast
+from scripts._common import llama, llama_config
 
 pytest.importorskip("cupy")
 if not torch.cuda.is_available():
@@ -26,25 +26,11 @@ if not torch.cuda.is_available():
 
 pytestmark = pytest.mark.gpu
 
-CONFIG = LlamaConfig(
-    vocab_size=512,
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    tie_word_embeddings=True,
-)
+CONFIG = llama_config(vocab=512, hidden=128, intermediate=256)
 
 
 def _models() -> tuple[LlamaForCausalLM, LlamaForCausalLM, LlamaForCausalLM]:
-    torch.manual_seed(0)
-    trainer = LlamaForCausalLM(CONFIG)
-    cpu = cast(LlamaForCausalLM(CONFIG))
-    gpu = cast(LlamaForCausalLM(CONFIG))
-    torch.nn.Module.to(gpu, "cuda")
-    return trainer, cpu, gpu
+    return llama(CONFIG, 0), llama(CONFIG, 1, dtype=torch.bfloat16), llama(CONFIG, 2, device="cuda")
 
 
 def test_cuda_and_cpu_targets_agree_bit_for_bit() -> None:

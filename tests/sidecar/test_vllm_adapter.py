@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from bulletin.engines.vllm import VLLMTarget, WorkerState
 from bulletin.errors import EngineError, IncompatibleTensors, WrongBase
@@ -18,18 +18,12 @@ from bulletin.publisher import Publisher
 from bulletin.snapshot import snapshot
 from bulletin.subscriber import Subscriber
 from bulletin.target import LocalDirTarget
+from scripts._common import llama, llama_config
 from tests.sidecar.engine_servers import VllmServer, extended_worker
 
 HIDDEN, INTERMEDIATE, LAYERS, HEADS, KV_HEADS, VOCAB = 32, 48, 2, 4, 2, 100
-CONFIG = LlamaConfig(
-    vocab_size=VOCAB,
-    hidden_size=HIDDEN,
-    intermediate_size=INTERMEDIATE,
-    num_hidden_layers=LAYERS,
-    num_attention_heads=HEADS,
-    num_key_value_heads=KV_HEADS,
-    max_position_embeddings=64,
-    tie_word_embeddings=True,
+CONFIG = llama_config(
+    vocab=VOCAB, hidden=HIDDEN, intermediate=INTERMEDIATE, layers=LAYERS, heads=HEADS, kv_heads=KV_HEADS
 )
 PADDED_VOCAB = 128  # vLLM pads the vocabulary (to a multiple of 64)
 
@@ -132,8 +126,7 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
 
 @pytest.fixture
 def trainer() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    return LlamaForCausalLM(CONFIG)
+    return llama(CONFIG, 0)
 
 
 @pytest.fixture
@@ -195,7 +188,8 @@ def test_sidecar_target_follows_a_run_through_collective_rpc(
     assert ["POST", "/collective_rpc"] in methods
     # A restarted sidecar recognises that the engine already holds the folder's version.
     again = VLLMTarget(LocalDirTarget(tmp_path / "local", run="r"), server.url)
-    assert again.restored() is not None and again.restored()[0] == 3  # type: ignore[index]
+    restored = again.restored()
+    assert restored is not None and restored.version == 3
 
 
 def test_a_tampered_worker_is_refused_and_nothing_moves(
@@ -219,7 +213,8 @@ def test_a_tampered_worker_is_refused_and_nothing_moves(
         with pytest.raises(WrongBase):
             sub.sync()
     assert sub.current_version == 1
-    assert local.restored() is not None and local.restored()[0] == 1  # type: ignore[index]
+    restored = local.restored()
+    assert restored is not None and restored.version == 1
     for model, old in zip(models, before, strict=True):  # worker 0 applied, then took it back
         assert torch.equal(model.layer(0).self_attn.qkv_proj.weight, old)
 

@@ -18,12 +18,8 @@ def _name() -> str:
 
 class TestMemoryStore(StoreContract):
     @pytest.fixture
-    def store(self) -> Iterator[Store]:
-        name = _name()
-        store = MemoryStore(name)
-        yield store
-        store.close()
-        drop_memory_bucket(name)
+    def store(self, memory_store: MemoryStore) -> Store:
+        return memory_store
 
 
 class TestPrefixedMemoryStore(StoreContract):

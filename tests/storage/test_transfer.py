@@ -5,7 +5,6 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 
 import pytest
 
@@ -14,20 +13,19 @@ from bulletin.storage import (
     Conflicted,
     MemoryStore,
     ObjectData,
-    ObjectInfo,
     Updated,
     WriteResult,
     get_many,
     put_many_if_absent,
 )
+from bulletin.storage.wrapper import WrapperStore
 
 
-class SlowStore:
+class SlowStore(WrapperStore):
     """A real memory store behind a delay, recording how many calls overlap."""
 
     def __init__(self, delay: float = 0.03, fail_on: str | None = None) -> None:
-        self.inner = MemoryStore(f"transfer-{uuid.uuid4().hex}")
-        self.url = self.inner.url
+        super().__init__(MemoryStore(f"transfer-{uuid.uuid4().hex}"))
         self.delay = delay
         self.fail_on = fail_on
         self.calls: list[str] = []
@@ -48,29 +46,11 @@ class SlowStore:
 
     def get(self, key: str) -> ObjectData:
         self._enter(key)
-        return self.inner.get(key)
-
-    def get_if_changed(self, key: str, etag: str | None) -> ObjectData | None:
-        return self.inner.get_if_changed(key, etag)
-
-    def stat(self, key: str) -> ObjectInfo:
-        return self.inner.stat(key)
+        return super().get(key)
 
     def put_if_absent(self, key: str, data: bytes) -> WriteResult:
         self._enter(key)
-        return self.inner.put_if_absent(key, data)
-
-    def put_if_match(self, key: str, data: bytes, etag: str) -> WriteResult:
-        return self.inner.put_if_match(key, data, etag)
-
-    def list(self, prefix: str, *, start_after: str | None = None) -> Iterator[ObjectInfo]:
-        return self.inner.list(prefix, start_after=start_after)
-
-    def delete(self, key: str) -> None:
-        self.inner.delete(key)
-
-    def close(self) -> None:
-        self.inner.close()
+        return super().put_if_absent(key, data)
 
 
 def test_workers_are_bounded_and_used() -> None:

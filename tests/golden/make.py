@@ -1,10 +1,11 @@
 #!/usr/bin/env python
 """Write the golden patch shards of tests/golden/ (see tests/golden/README.md).
 
-    python scripts/make_golden.py            # writes tests/golden/v<major>/, refuses to overwrite
-    python scripts/make_golden.py --force    # rewrite (only after a deliberate format change)
+    python tests/golden/make.py            # writes tests/golden/v<major>/, refuses to overwrite
+    python tests/golden/make.py --force    # rewrite (only after a deliberate format change)
 
-Each case of tests/golden/cases.py is encoded and its shards written as
+It lives beside the files it writes: the cases are test data, and scripts/ never
+imports from tests/. Each case of tests/golden/cases.py is encoded and its shards written as
 ``<case>.<i>.shard``; ``expected.json`` records, per case, the encode arguments, each
 file's SHA-256 and the decoded content (per tensor: layout, fingerprints and SHA-256 of
 the index and delta arrays), plus the compression library versions that produced the
@@ -21,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from patcher.encode import encode  # noqa: E402

@@ -1,0 +1,130 @@
+"""Stores that wrap another store: a delegating base, and one that counts traffic.
+
+:class:`WrapperStore` forwards every call of the :class:`~bulletin.storage.base.Store`
+protocol to the store it wraps; a subclass overrides only the calls it observes or
+changes (a benchmark counting bytes, a test injecting a delay, a fault or a crash).
+:class:`CountingStore` counts requests and payload bytes both ways. Modelled on zarr's
+``WrapperStore`` and ``LoggingStore``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from bulletin.storage.base import ObjectData, ObjectInfo, Store, WriteResult
+from bulletin.storage.keys import check_data
+
+__all__ = ["CountingStore", "Traffic", "WrapperStore"]
+
+
+class WrapperStore:
+    """A :class:`Store` that forwards every call to ``inner``; override what to observe."""
+
+    def __init__(self, inner: Store) -> None:
+        self.inner = inner
+
+    @property
+    def url(self) -> str:
+        """The wrapped store's URL (opening it gives the store without the wrapper)."""
+        return self.inner.url
+
+    def get(self, key: str) -> ObjectData:
+        return self.inner.get(key)
+
+    def get_if_changed(self, key: str, etag: str | None) -> ObjectData | None:
+        return self.inner.get_if_changed(key, etag)
+
+    def stat(self, key: str) -> ObjectInfo:
+        return self.inner.stat(key)
+
+    def put_if_absent(self, key: str, data: bytes) -> WriteResult:
+        return self.inner.put_if_absent(key, data)
+
+    def put_if_match(self, key: str, data: bytes, etag: str) -> WriteResult:
+        return self.inner.put_if_match(key, data, etag)
+
+    def list(self, prefix: str, *, start_after: str | None = None) -> Iterator[ObjectInfo]:
+        return self.inner.list(prefix, start_after=start_after)
+
+    def delete(self, key: str) -> None:
+        self.inner.delete(key)
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.inner!r})"
+
+
+@dataclass(frozen=True, slots=True)
+class Traffic:
+    """What went through a :class:`CountingStore` since it was last reset."""
+
+    requests: int
+    """Calls made, failed ones included (a listing counts once, however many pages it reads)."""
+    up: int
+    """Payload bytes written (object bodies only, no protocol overhead)."""
+    down: int
+    """Payload bytes read (object bodies only; an unchanged conditional read is 0)."""
+
+
+class CountingStore(WrapperStore):
+    """Counts requests and payload bytes both ways; safe to share between threads."""
+
+    def __init__(self, inner: Store) -> None:
+        super().__init__(inner)
+        self._lock = threading.Lock()
+        self._requests = self._up = self._down = 0
+
+    def _count(self, up: int = 0) -> None:
+        with self._lock:
+            self._requests += 1
+            self._up += up
+
+    def _received(self, obj: ObjectData | None) -> None:
+        if obj is not None:
+            with self._lock:
+                self._down += len(obj.data)
+
+    def reset(self) -> Traffic:
+        """The counts so far, then start again from zero."""
+        with self._lock:
+            seen = Traffic(self._requests, self._up, self._down)
+            self._requests = self._up = self._down = 0
+        return seen
+
+    def get(self, key: str) -> ObjectData:
+        self._count()
+        obj = super().get(key)
+        self._received(obj)
+        return obj
+
+    def get_if_changed(self, key: str, etag: str | None) -> ObjectData | None:
+        self._count()
+        obj = super().get_if_changed(key, etag)
+        self._received(obj)
+        return obj
+
+    def stat(self, key: str) -> ObjectInfo:
+        self._count()
+        return super().stat(key)
+
+    def put_if_absent(self, key: str, data: bytes) -> WriteResult:
+        payload = check_data(data)  # not bytes: refused here, as the store would, uncounted
+        self._count(up=len(payload))
+        return super().put_if_absent(key, payload)
+
+    def put_if_match(self, key: str, data: bytes, etag: str) -> WriteResult:
+        payload = check_data(data)  # not bytes: refused here, as the store would, uncounted
+        self._count(up=len(payload))
+        return super().put_if_match(key, payload, etag)
+
+    def list(self, prefix: str, *, start_after: str | None = None) -> Iterator[ObjectInfo]:
+        self._count()
+        return super().list(prefix, start_after=start_after)
+
+    def delete(self, key: str) -> None:
+        self._count()
+        super().delete(key)

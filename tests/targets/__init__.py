@@ -1,0 +1,1 @@
+"""The WeightTarget contract (contract.py) and one module per implementation."""
