@@ -12,6 +12,7 @@ offsets that tile the data buffer exactly (no holes, no overlaps, no trailing by
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import os
@@ -26,7 +27,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from bulletin.errors import FormatError, IncompatibleTensors, InvalidInput, NotFound
-from bulletin.fileio import fsync_dir, write_atomic
+from bulletin.fileio import fsync_dir, local_error, os_errors, write_atomic
 from patcher.patch import TensorSpec
 
 __all__ = [
@@ -152,6 +153,8 @@ class _MappedFile:
             raise NotFound(f"no such checkpoint file: {path}") from None
         except IsADirectoryError:
             raise InvalidInput(f"not a safetensors file: {path}") from None
+        except OSError as exc:
+            raise local_error(exc, f"cannot open {path}") from exc
         try:
             size = os.fstat(fd).st_size
             with os.fdopen(os.dup(fd), "rb") as fh:
@@ -161,7 +164,8 @@ class _MappedFile:
                     prefix += fh.read(min(n, MAX_HEADER_BYTES))
             self.header = parse_safetensors_header(prefix, size, source=str(path))
             access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
-            self._mmap: mmap.mmap | None = mmap.mmap(fd, 0, access=access) if size else None
+            with os_errors(f"cannot map {path}"):
+                self._mmap: mmap.mmap | None = mmap.mmap(fd, 0, access=access) if size else None
         finally:
             os.close(fd)
         self._buffer: NDArray[np.uint8] = (
@@ -179,7 +183,8 @@ class _MappedFile:
 
     def flush(self) -> None:
         if self._mmap is not None:
-            self._mmap.flush()
+            with os_errors(f"cannot write {self.path}"):
+                self._mmap.flush()
 
     def close(self) -> None:
         # Views handed out keep the buffer alive; dropping ours lets the mmap close when
@@ -332,23 +337,33 @@ def write_checkpoint(
     One ``model.safetensors`` when everything fits in ``max_shard_bytes``, else
     ``model-0000i-of-0000n.safetensors`` plus ``model.safetensors.index.json``. Files are
     written to temporary names, fsynced, then renamed: a crash leaves no partial file
-    under a final name. Returns the paths written (data files, then the index).
+    under a final name, and a failure (a full disk: ``DiskFull``; any ``OSError`` is raised
+    typed, see :mod:`bulletin.fileio`) removes the files this call had created. Returns
+    the paths written (data files, then the index).
     """
     out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
+    with os_errors(f"cannot create {out}"):
+        out.mkdir(parents=True, exist_ok=True)
     if specs.keys() != tensors.keys():
         raise IncompatibleTensors("specs and tensors name different sets of tensors")
     plan = plan_checkpoint(specs, max_shard_bytes)
     for _, shard in plan:
         for spec in shard:
             _tensor_bytes(tensors[spec.name], spec)  # size check before any file is written
+    names = [file_name for file_name, _ in plan] + ([INDEX_NAME] if len(plan) > 1 else [])
+    created = [out / name for name in names if not (out / name).exists()]
     written: list[Path] = []
-    for file_name, shard in plan:
-        header, _ = encode_safetensors_header(shard, {"format": "pt", **(metadata or {})})
-        written.append(
-            write_atomic(out / file_name, [header, *(_tensor_bytes(tensors[s.name], s) for s in shard)], sync_dir=False)
-        )
-    if len(plan) > 1:
-        written.append(write_atomic(out / INDEX_NAME, [hf_index(plan)], sync_dir=False))
-    fsync_dir(out)
+    try:
+        for file_name, shard in plan:
+            header, _ = encode_safetensors_header(shard, {"format": "pt", **(metadata or {})})
+            parts: list[bytes | memoryview] = [header, *(_tensor_bytes(tensors[s.name], s) for s in shard)]
+            written.append(write_atomic(out / file_name, parts, sync_dir=False))
+        if len(plan) > 1:
+            written.append(write_atomic(out / INDEX_NAME, [hf_index(plan)], sync_dir=False))
+        fsync_dir(out)
+    except BaseException:
+        for path in created:
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)
+        raise
     return written

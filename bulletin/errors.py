@@ -11,16 +11,25 @@ Errors are grouped by what a caller does about them:
 - ``CorruptData``: bytes read back are not what the format allows; refetch or alert.
 - ``WrongBase``: a patch meets bits it was not made for; resync from a keyframe.
 - ``NotFound``: the thing does not exist (also a ``KeyError``).
-- ``Conflict``: someone else won a race (a stale or second trainer).
+- ``Conflict``: someone else won a race (a stale or second trainer, a second writer of
+  a node's replica folder).
 - ``StorageUnavailable``: the bucket cannot be reached or refuses us; retry later or
   fix credentials (also an ``OSError``).
 - ``EngineError``: the inference engine failed or refused; retry later or check it.
+- ``LocalStorageError``: the node's own disk refused a write or read (full, read-only,
+  permission denied); free space or fix the mount, then run again (also an ``OSError``).
+- ``OutOfMemory``: the process ran out of memory; free memory or use a larger machine
+  (also a ``MemoryError``).
+- ``ChainMismatch``: the run no longer continues the version a node or trainer holds
+  (rolled back, rewritten, replaced by another run's chain); a person decides, then
+  opts in to follow it (``allow_reset``, ``--allow-reset``).
 - ``InternalError``: an invariant of Bulletin broke; a bug to report.
 
 Every class has a stable ``code`` used by the CLI's ``--json`` output and by the
 sidecar's error bodies; the CLI's exit status per kind is tabled in
 ``docs/ARCHITECTURE.md``. Storage backends translate their client's exceptions into
-this tree at the storage boundary only, keeping the original as ``__cause__``.
+this tree at the storage boundary only, keeping the original as ``__cause__``; the
+node's own files do the same in :mod:`bulletin.fileio` (``local_error``).
 Lost compare-and-swap races are *not* exceptions inside the storage protocol
 (they are ordinary return values); ``Conflict`` is raised by higher layers that
 cannot proceed after losing.
@@ -45,10 +54,12 @@ from patcher.errors import (
 __all__ = [
     "AccessDenied",
     "BulletinError",
+    "ChainMismatch",
     "ConfigError",
     "Conflict",
     "CorruptData",
     "DigestMismatch",
+    "DiskFull",
     "EngineError",
     "FingerprintMismatch",
     "FormatError",
@@ -56,7 +67,14 @@ __all__ = [
     "InternalError",
     "InvalidInput",
     "InvalidTensorName",
+    "LocalStorageError",
     "NotFound",
+    "ObjectTooLarge",
+    "OutOfMemory",
+    "PermissionDenied",
+    "ReadOnlyStorage",
+    "ReplicaBusy",
+    "RunRewound",
     "StorageUnavailable",
     "UnsupportedDtype",
     "UnsupportedFormatVersion",
@@ -83,6 +101,13 @@ class DigestMismatch(CorruptData):
     """Content does not hash to the digest its manifest promises."""
 
     code = "digest_mismatch"
+
+
+class ObjectTooLarge(CorruptData):
+    """An object in the store is larger than its reader allows (the size its manifest
+    promises, a document cap): refused from its size, before its bytes are read."""
+
+    code = "object_too_large"
 
 
 class FingerprintMismatch(CorruptData):
@@ -126,6 +151,17 @@ class VersionConflict(Conflict):
     code = "version_conflict"
 
 
+class ReplicaBusy(Conflict):
+    """Another process (or another target in this one) holds the node's replica folder.
+
+    A replica folder has one writer at a time, held by an OS lock for the writer's
+    lifetime; nothing was read, recovered or changed. Wait for the other writer or stop
+    it, or use another folder; read-only looks (``bulletin status --local``) need no lock.
+    """
+
+    code = "replica_busy"
+
+
 # -- the bucket -----------------------------------------------------------------------
 
 
@@ -141,6 +177,51 @@ class AccessDenied(StorageUnavailable):
     code = "access_denied"
 
 
+# -- the node's own disk ---------------------------------------------------------------
+
+
+class LocalStorageError(BulletinError, OSError):
+    """The node's own disk refused a write or a read (a replica folder, a checkpoint).
+
+    Translated from ``OSError`` at the local-file boundary (``errno`` is kept). The
+    version held before is intact and nothing half-written is left behind; fix the disk
+    and run again.
+    """
+
+    code = "local_storage_error"
+
+
+class DiskFull(LocalStorageError):
+    """No space (or no quota) left on the device (ENOSPC, EDQUOT): free some and rerun."""
+
+    code = "disk_full"
+
+
+class ReadOnlyStorage(LocalStorageError):
+    """The file system is mounted read-only (EROFS): remount it or write elsewhere."""
+
+    code = "read_only_storage"
+
+
+class PermissionDenied(LocalStorageError):
+    """The process may not write or read there (EACCES, EPERM): fix ownership or modes."""
+
+    code = "permission_denied"
+
+
+# -- the machine ---------------------------------------------------------------------------
+
+
+class OutOfMemory(BulletinError, MemoryError):
+    """The process ran out of memory (``MemoryError``); the held version is intact.
+
+    Free memory, lower the parallelism, or run on a larger machine; retrying on the same
+    machine helps only if something else released memory.
+    """
+
+    code = "out_of_memory"
+
+
 # -- the serving engine ------------------------------------------------------------------
 
 
@@ -151,3 +232,24 @@ class EngineError(BulletinError):
     """
 
     code = "engine_error"
+
+
+# -- the run went somewhere else -------------------------------------------------------
+
+
+class ChainMismatch(BulletinError):
+    """The run's chain no longer holds the version held here, as it was held.
+
+    The manifest of that version is gone from a chain that still has older ones, or
+    it has another digest: the run was rolled back, rewritten, or replaced by another
+    run's chain. Nothing was changed; following it is a decision (``allow_reset=True``
+    on a Subscriber, ``--allow-reset`` on ``bulletin sync`` and ``bulletin serve``).
+    """
+
+    code = "chain_mismatch"
+
+
+class RunRewound(ChainMismatch):
+    """The run's newest version is older than the version held here: it was rolled back."""
+
+    code = "run_rewound"

@@ -12,6 +12,14 @@ its manifest (the commit point), then the head moves. Version 1, every
 ``keyframe_every``-th version after it, and any change of tensor layout are also
 stored in full as plain safetensors. A restarted trainer resumes from the run's
 newest version by reconstructing it, so the chain continues without a gap.
+
+A publish that fails leaves the publisher consistent: the base of the next diff is
+still the last committed version. One whose commit failed with its outcome unknown
+(``StorageUnavailable``: the manifest may have been created, its response lost) is
+settled before the next publish by committing the same manifest again, which finds
+the manifest if it landed; either way the version is then committed and the chain
+continues from it. A version committed meanwhile by another writer makes that and
+every later publish of this publisher raise ``VersionConflict``.
 """
 
 from __future__ import annotations
@@ -33,13 +41,22 @@ from pydantic import ValidationError
 
 from bulletin.checkpoint import INDEX_NAME, Checkpoint, hf_index, plan_checkpoint, safetensors_bytes
 from bulletin.device_kept import DeviceKept
-from bulletin.errors import ConfigError, InternalError, InvalidInput
+from bulletin.errors import (
+    AccessDenied,
+    ChainMismatch,
+    ConfigError,
+    InternalError,
+    InvalidInput,
+    RunRewound,
+    StorageUnavailable,
+    VersionConflict,
+)
 from bulletin.keyspace import keyframe_prefix, patch_shard_key
 from bulletin.run import Run, StoredManifest, sha256_hex
 from bulletin.snapshot import Snapshot, snapshot
 from bulletin.storage import Store, open_store
-from bulletin.sync import execute, plan
-from bulletin.target import ArrayTarget
+from bulletin.sync import check_chain, execute, plan
+from bulletin.target import ArrayTarget, Held
 from patcher.compression import CODECS, DEFAULT_CODEC
 from patcher.diff import diff
 from patcher.dtypes import SERVED_FLOAT_DTYPES
@@ -75,6 +92,29 @@ class _Kept:
     bits: dict[str, NDArray[np.unsignedinteger]]
     fingerprints: dict[str, int]
     stored: StoredManifest
+
+
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    """A version whose commit failed with its outcome unknown, and what it would keep."""
+
+    manifest: ManifestV1
+    specs: dict[str, TensorSpec]
+    bits: dict[str, NDArray[np.unsignedinteger]]
+    fingerprints: dict[str, int]
+
+
+def _result(manifest: ManifestV1, stored: StoredManifest) -> PublishResult:
+    stats = manifest.stats
+    return PublishResult(
+        version=manifest.version,
+        keyframe=manifest.keyframe is not None,
+        changed_elements=manifest.patch.changed_elements if manifest.patch else stats.total_elements,
+        total_elements=stats.total_elements,
+        patch_bytes=stats.patch_bytes,
+        keyframe_bytes=stats.keyframe_bytes,
+        manifest_digest=stored.digest,
+    )
 
 
 class Publisher:
@@ -117,11 +157,17 @@ class Publisher:
         self._device = DeviceKept(dtype)
         self._next_version = 1
         self._prepared_specs: dict[str, TensorSpec] | None = None
-        self._queue: queue.Queue[tuple[Snapshot, dict[str, str], Future[PublishResult]] | None] = queue.Queue(
+        self._queue: queue.Queue[tuple[Snapshot, dict[str, str], Future[PublishResult], int] | None] = queue.Queue(
             maxsize=queue_size
         )
         self._worker: threading.Thread | None = None
         self._error: BaseException | None = None
+        # After a failed publish: snapshots taken before it (an older epoch) are refused
+        # with its error, and the next one first settles it (_recover).
+        self._failed = False
+        self._epoch = 0
+        self._epoch_error: BaseException | None = None
+        self._pending: _Pending | None = None
         self._closed = False
         self.results: list[PublishResult] = []
 
@@ -151,8 +197,7 @@ class Publisher:
         with Checkpoint(path) as ckpt:
             specs = ckpt.specs
             bits = {name: np.array(ckpt.bits(name), copy=True) for name in specs}
-        if not self._resumed:
-            self._resume()
+        self._ready()
         self._next_version += 1
         self._prepared_specs = specs
         return self._publish(Snapshot(specs, bits, {}), dict(metadata or {}))
@@ -164,12 +209,13 @@ class Publisher:
         bounded queue is full. Errors surface from the future and from flush/close."""
         self._check_open()
         self._raise_background_error()
+        epoch = self._epoch  # read before _prepare: a failure from now on refuses this snapshot
         snap = self._prepare(state_dict)
         future: Future[PublishResult] = Future()
         if self._worker is None:
             self._worker = threading.Thread(target=self._drain, name=f"bulletin-publish-{self.run}", daemon=True)
             self._worker.start()
-        self._queue.put((snap, dict(metadata or {}), future))
+        self._queue.put((snap, dict(metadata or {}), future, epoch))
         return future
 
     def flush(self) -> None:
@@ -178,11 +224,15 @@ class Publisher:
         self._raise_background_error()
 
     def close(self) -> None:
-        """Flush, then stop the background worker. Idempotent."""
+        """Flush, make sure the head shows the last version, then stop the background
+        worker. Idempotent."""
         if self._closed:
             return
         try:
             self.flush()
+            if self._kept is not None and not self._failed:
+                # A commit only logs a store failure while moving the head; move it now.
+                self._run.advance_head(self._kept.stored)
         finally:
             self._closed = True
             if self._worker is not None:
@@ -214,14 +264,15 @@ class Publisher:
             try:
                 if item is None:
                     return
-                snap, metadata, future = item
-                if self._error is not None:  # keep order: nothing after a failed version
-                    future.set_exception(self._error)
+                snap, metadata, future, epoch = item
+                if epoch != self._epoch:  # keep order: nothing taken before a failed version
+                    future.set_exception(self._epoch_error or InternalError("a publish failed"))
                     continue
                 try:
                     future.set_result(self._publish(snap, metadata))
                 except BaseException as exc:
-                    self._error = exc
+                    if self._error is None:
+                        self._error = exc
                     future.set_exception(exc)
             finally:
                 self._queue.task_done()
@@ -229,10 +280,13 @@ class Publisher:
     def _prepare(self, state_dict: Mapping[str, Any]) -> Snapshot:
         """The part of a publish that must happen before the caller may touch its tensors:
         the host snapshot, or for GPU tensors the diff on the device."""
-        if not self._resumed:
-            self._resume()
+        self._ready()
         full = (self._next_version - 1) % self.keyframe_every == 0
-        snap = snapshot(state_dict, dtype=self.dtype, device=self._device, full=full)
+        try:
+            snap = snapshot(state_dict, dtype=self.dtype, device=self._device, full=full)
+        except BaseException:
+            self._failed = True  # tensors diffed before the bad one moved the device's bits on
+            raise
         if snap.changes and snap.specs != self._prepared_specs:
             # A layout change is published in full: fetch what only the device has, now,
             # before the next diff moves the kept bits on.
@@ -242,22 +296,105 @@ class Publisher:
         self._next_version += 1
         return snap
 
+    def _ready(self) -> None:
+        """Before a snapshot: know the run's newest version; settle a failed publish."""
+        if not self._resumed:
+            self._resume()
+        elif self._failed:
+            self._recover()
+
     def _resume(self) -> None:
         """Continue the run from its newest committed version (after a restart)."""
-        self._resumed = True
         tip = self._run.tip()
-        if tip is None:
-            return
-        self._next_version = tip.version + 1
-        self._run.advance_head(tip)  # a crash may have left the head behind a commit
+        if tip is not None:
+            self._run.advance_head(tip)  # a crash may have left the head behind a commit
+            self._kept = self._rebuild(tip)
+            self._next_version = tip.version + 1
+        self._resumed = True
+
+    def _rebuild(self, stored: StoredManifest) -> _Kept:
+        """A committed version's bits, reconstructed from the run."""
         held = ArrayTarget()
-        execute(self._run, plan(self._run, tip, None), held, None)
-        self._kept = _Kept(dict(tip.manifest.specs), dict(held.arrays), dict(tip.manifest.fingerprints), tip)
+        execute(self._run, plan(self._run, stored, None), held, None)
+        return _Kept(dict(stored.manifest.specs), dict(held.arrays), dict(stored.manifest.fingerprints), stored)
+
+    def _failure(self, exc: BaseException) -> None:
+        """A publish failed after its snapshot: the device's kept bits and the version
+        counter may be ahead of the last commit, and later snapshots were diffed against
+        bits that were not committed. Refuse those; the next snapshot recovers first."""
+        self._failed = True  # before the epoch moves on (publish_async reads them the other way)
+        self._epoch_error = exc
+        self._epoch += 1
+
+    def _recover(self) -> None:
+        """Settle a failed publish, then make the last committed version the base again.
+
+        A commit whose outcome is unknown is committed again with the same bytes (which
+        finds the manifest if it landed). A version newer than this publisher's last
+        means another writer took over: this raises ``VersionConflict``, now and at
+        every later publish.
+        """
+        self._queue.join()  # what is queued publishes (or is refused) before the base is reset
+        pending = self._pending
+        if pending is not None:
+            try:
+                stored = self._run.commit(pending.manifest)
+            except VersionConflict:
+                self._pending = None
+                raise
+            self._pending = None
+            self._kept = _Kept(pending.specs, pending.bits, pending.fingerprints, stored)
+            self.results.append(_result(pending.manifest, stored))
+        kept = self._kept
+        tip = self._run.tip()
+        # A newer version is another writer's. A run rolled back or rewritten under the
+        # version kept is for the chain check of the publish itself (_check_chain).
+        if tip is not None and (kept is None or tip.version > kept.stored.version):
+            ours = f"version {kept.stored.version}" if kept else "nothing yet"
+            theirs = f"version {tip.version} by writer {tip.manifest.writer}"
+            raise VersionConflict(
+                f"{self.run}: the run's newest committed version is {theirs}, but this publisher "
+                f"(writer {self.writer}) committed {ours}: another trainer is publishing to the same "
+                "run; this publisher cannot continue (a new Publisher resumes from the run's tip)"
+            )
+        if kept is not None and kept.bits.keys() != kept.specs.keys():
+            kept = self._kept = self._rebuild(kept.stored)  # bits diffed on the device are not on the host
+        self._device = DeviceKept(self.dtype)  # GPU tensors start again from the committed bits
+        self._next_version = (kept.stored.version if kept else 0) + 1
+        self._prepared_specs = dict(kept.specs) if kept else None
+        self._failed = False
+
+    def _check_chain(self, kept: _Kept) -> None:
+        """The run still holds the version this publisher continues, as committed or resumed
+        from: a run rolled back or rewritten since is ``RunRewound`` / ``ChainMismatch``
+        (never a fork chained to a version the bucket no longer has)."""
+        head = self._run.read_head()
+        ours = (kept.stored.version, kept.stored.digest)
+        if head is not None and (head.head.version, head.head.manifest_digest) == ours:
+            return  # the head names what this publisher holds: one small read
+        tip = self._run.tip()
+        held = Held(kept.stored.version, kept.fingerprints, kept.stored.digest)
+        try:
+            if tip is None:
+                raise RunRewound(f"{self.run}: version {held.version} held here, but the run has no version left")
+            check_chain(self._run, held, tip, tip=True)
+        except ChainMismatch as exc:
+            message = f"{exc}; this publisher cannot continue (a new Publisher resumes from the run's tip)"
+            raise type(exc)(message) from None
 
     def _publish(self, snap: Snapshot, metadata: dict[str, str]) -> PublishResult:
+        try:
+            return self._publish_once(snap, metadata)
+        except BaseException as exc:
+            self._failure(exc)
+            raise
+
+    def _publish_once(self, snap: Snapshot, metadata: dict[str, str]) -> PublishResult:
         if not self._resumed:
             self._resume()
         kept = self._kept
+        if kept is not None:
+            self._check_chain(kept)
         version = kept.stored.version + 1 if kept else 1
         same_layout = kept is not None and kept.specs == snap.specs
         patch: Patch | None = None
@@ -297,18 +434,15 @@ class Publisher:
             problem = exc.errors()[0]
             where = ".".join(str(part) for part in problem["loc"])
             raise InvalidInput(f"version {version}: manifest field {where}: {problem['msg']}") from exc
-        stored = self._run.commit(manifest)  # raises VersionConflict for a stale trainer
+        try:
+            stored = self._run.commit(manifest)  # raises VersionConflict for a stale trainer
+        except StorageUnavailable as exc:
+            if not isinstance(exc, AccessDenied):  # the manifest may exist: settled next time
+                self._pending = _Pending(manifest, dict(snap.specs), snap.bits, fps)
+            raise
         # Host bits of tensors diffed on the device go stale; the device keeps them.
         self._kept = _Kept(dict(snap.specs), snap.bits, fps, stored)
-        result = PublishResult(
-            version=version,
-            keyframe=is_keyframe,
-            changed_elements=patch_ref.changed_elements if patch_ref else manifest.stats.total_elements,
-            total_elements=manifest.stats.total_elements,
-            patch_bytes=manifest.stats.patch_bytes,
-            keyframe_bytes=manifest.stats.keyframe_bytes,
-            manifest_digest=stored.digest,
-        )
+        result = _result(manifest, stored)
         self.results.append(result)
         return result
 

@@ -1,15 +1,17 @@
 """Bringing a target from the version it holds to another one.
 
-Planning reads manifests only; executing downloads what the plan needs, checks
-every byte (sizes and SHA-256 against the manifests, the hash chain, the format),
-decodes and folds the transitions, and only then touches the target. The target
+Planning reads manifests only (down the hash chain from the target, each checked
+against its child's digest before it is parsed, only as far as a route needs);
+executing downloads what the plan needs, checks every byte (sizes and SHA-256 against
+the manifests, every shard header against its manifest and the layout held before any
+payload is decoded, the format), decodes and folds the transitions, and only then
+touches the target. The target
 checks base fingerprints, applies in place and verifies the result; the version
 becomes current only when it matches the manifest's fingerprints exactly.
 """
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -19,25 +21,24 @@ from numpy.typing import NDArray
 
 from bulletin.checkpoint import INDEX_NAME, parse_safetensors_header
 from bulletin.errors import (
-    CorruptData,
+    ChainMismatch,
     FingerprintMismatch,
     FormatError,
+    IncompatibleTensors,
     InternalError,
+    RunRewound,
     VersionNotFound,
     WrongBase,
 )
 from bulletin.run import Run, StoredManifest
 from bulletin.target import Held, WeightTarget
-from patcher.decode import decode, shard_views
+from patcher.decode import decode_views, shard_views
 from patcher.fingerprint import fingerprint, format_fingerprint
 from patcher.fold import fold
 from patcher.format import DEFAULT_LIMITS, TensorInfo
-from patcher.patch import Patch, check_layout
+from patcher.patch import TensorSpec, check_layout
 
-__all__ = ["SyncPlan", "SyncReport", "execute", "plan"]
-
-#: Manifests fetched per round trip when walking back to a keyframe.
-_WALK_BATCH = 8
+__all__ = ["SyncPlan", "SyncReport", "check_chain", "execute", "plan"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,71 +71,126 @@ class SyncReport:
     timings: dict[str, float] = field(default_factory=dict)
 
 
-def _check_link(parent: StoredManifest, child: StoredManifest) -> None:
-    if child.manifest.parent_digest != parent.digest:
-        raise CorruptData(
-            f"{child.manifest.run}: version {child.version} does not chain to version {parent.version} "
-            "(parent digest mismatch): the bucket was rewritten or forked"
-        )
+def check_chain(run: Run, held: Held, target: StoredManifest, *, tip: bool) -> None:
+    """Refuse a run that no longer continues ``held``: no silent downgrade or chain switch.
 
-
-def _walk_to_keyframe(run: Run, newest: StoredManifest, floor: int) -> list[StoredManifest]:
-    """Manifests from the newest keyframe at or below ``newest`` up to ``newest``, ascending."""
-    chain = [newest]
-    while chain[0].manifest.keyframe is None:
-        low = chain[0].version - 1
-        if low < floor:
-            raise VersionNotFound(f"{run.name}: no keyframe at or below version {newest.version} is left in the bucket")
-        versions = list(range(max(floor, low - _WALK_BATCH + 1), low + 1))
+    ``target`` is the version a sync is about to reach, ``tip`` whether it is the run's
+    newest. ``RunRewound`` when the newest version is older than ``held``; ``ChainMismatch``
+    when the manifest of ``held.version`` is gone while older ones remain, or is not the
+    one held (its digest, or for a ``Held`` without one its fingerprints): the run was
+    rolled back, rewritten or replaced. A held version below every manifest left in the
+    bucket (garbage collected) cannot be checked and is let through. An older ``target``
+    on the same chain, asked for explicitly, is not refused (a chosen downgrade).
+    """
+    where = f"{run.name}: version {held.version} held here"
+    if tip and target.version < held.version:
+        raise RunRewound(f"{where}, but the run's newest version is {target.version}: the run was rolled back")
+    if held.manifest_digest is not None and target.manifest.parent_version == held.version:
+        # One version behind (the steady state): the target's link says it all, no read.
+        if target.manifest.parent_digest != held.manifest_digest:
+            raise ChainMismatch(
+                f"{where} came from manifest {held.manifest_digest[:16]}..., but version {target.version} "
+                "chains to another one: the run was rewritten or replaced"
+            )
+        return
+    if target.version == held.version:
+        stored = target
+    else:
         try:
-            older = run.read_manifests(versions)
+            stored = run.read_manifest(held.version)
         except VersionNotFound:
-            # Garbage collection removed the oldest ones: take what is left, newest first.
-            older = []
-            for version in reversed(versions):
-                try:
-                    older.insert(0, run.read_manifest(version))
-                except VersionNotFound:
-                    break
-            if not older:
-                raise VersionNotFound(
-                    f"{run.name}: no keyframe at or below version {newest.version} is left in the bucket"
+            versions = run.versions()
+            if not versions or versions[-1] < held.version:
+                newest = versions[-1] if versions else "none"
+                raise RunRewound(
+                    f"{where}, but the run's newest version is {newest}: the run was rolled back"
                 ) from None
-            floor = older[0].version  # nothing below a missing version can be reached
-        for stored in reversed(older):
-            _check_link(stored, chain[0])
-            chain.insert(0, stored)
-            if stored.manifest.keyframe is not None:
-                break
-    return chain
+            if versions[0] > held.version:
+                return  # garbage-collected below the oldest version kept: nothing to check against
+            raise ChainMismatch(
+                f"{where} is gone from the run's chain, which still has versions {versions[0]}..{versions[-1]}: "
+                "the run was rewritten"
+            ) from None
+    if held.manifest_digest is not None:
+        if stored.digest != held.manifest_digest:
+            raise ChainMismatch(
+                f"{where} came from manifest {held.manifest_digest[:16]}..., the run's is now {stored.digest[:16]}...: "
+                "the run was rewritten or replaced"
+            )
+    elif stored.manifest.fingerprints != held.fingerprints:
+        raise ChainMismatch(f"{where} holds other bits than the run's version {held.version}: the run was replaced")
+
+
+def _cheapest(target: StoredManifest, steps: Sequence[StoredManifest]) -> SyncPlan:
+    """The cheaper of the two routes through ``steps`` (ascending, ending at ``target``):
+    every patch (from the last version without one, when there is such a layout change),
+    or the newest keyframe after that and the patches after it."""
+    start = max((i for i, s in enumerate(steps) if s.manifest.patch is None), default=-1)
+    patch_route = SyncPlan(target, steps[start] if start >= 0 else None, tuple(steps[start + 1 :]))
+    keyframes = [i for i, s in enumerate(steps) if s.manifest.keyframe is not None and i > start]
+    if keyframes:
+        k = keyframes[-1]
+        kf_route = SyncPlan(target, steps[k], tuple(steps[k + 1 :]))
+        if kf_route.download_bytes < patch_route.download_bytes:
+            return kf_route
+    return patch_route
+
+
+def _from_keyframe(target: StoredManifest, chain: Sequence[StoredManifest], k: int) -> SyncPlan:
+    """Load ``chain[k]``'s keyframe, then apply the versions above it (``chain`` is newest first)."""
+    return SyncPlan(target, chain[k], tuple(reversed(chain[:k])))
 
 
 def plan(run: Run, target: StoredManifest, held: Held | None) -> SyncPlan:
-    """Choose the cheapest verified route from ``held`` to ``target``."""
+    """Choose the cheapest verified route from ``held`` to ``target``.
+
+    Manifests are read down the chain from ``target`` (:meth:`Run.ancestors`: each one
+    checked against the digest its child names before it is parsed, a few at a time),
+    and only as far as a route can need: down to ``held``, to a version without a patch,
+    or, once the newest keyframe is known, until the patches at and below it outweigh
+    it (its route is then the cheaper whatever lies further down). Without a usable
+    ``held``, down to the newest keyframe.
+    """
     if held is not None and held.version == target.version:
         return SyncPlan(target, None, ())
-    if held is not None and held.version < target.version:
-        try:
-            span = run.read_manifests(list(range(held.version, target.version)))
-        except VersionNotFound:
-            span = []  # garbage-collected: start from a keyframe
-        if span and span[0].manifest.fingerprints == held.fingerprints:
-            chain = [*span, target]
-            for parent, child in itertools.pairwise(chain):
-                _check_link(parent, child)
-            steps = chain[1:]
-            # A layout change has no patch: the route must start at its keyframe.
-            start = max((i for i, s in enumerate(steps) if s.manifest.patch is None), default=-1)
-            patch_route = SyncPlan(target, steps[start] if start >= 0 else None, tuple(steps[start + 1 :]))
-            keyframes = [i for i, s in enumerate(steps) if s.manifest.keyframe is not None and i > start]
-            if keyframes:
-                k = keyframes[-1]
-                kf_route = SyncPlan(target, steps[k], tuple(steps[k + 1 :]))
-                if kf_route.download_bytes < patch_route.download_bytes:
-                    return kf_route
-            return patch_route
-    chain = _walk_to_keyframe(run, target, floor=1)
-    return SyncPlan(target, chain[0], tuple(chain[1:]))
+    from_held = held is not None and held.version < target.version
+    chain = [target]  # newest first
+    kf: int | None = None  # where in ``chain`` the newest keyframe is
+    outweighing = 0  # patch bytes at and below chain[kf]: what its keyframe would replace
+    ancestors = run.ancestors(target, floor=held.version if held is not None and from_held else 1)
+    reached_held = False
+    stored: StoredManifest | None = target
+    while stored is not None:
+        if from_held and held is not None and stored.version == held.version:
+            reached_held = True
+            break
+        if kf is None and stored.manifest.keyframe is not None:
+            kf = len(chain) - 1
+            if not from_held:
+                return _from_keyframe(target, chain, kf)
+        if kf is not None:
+            outweighing += stored.manifest.stats.patch_bytes
+            if chain[kf].manifest.stats.keyframe_bytes < outweighing:
+                return _from_keyframe(target, chain, kf)
+        if stored.manifest.patch is None:  # a layout change: no route goes below it
+            return _cheapest(target, chain[::-1])
+        stored = next(ancestors, None)
+        if stored is not None:
+            chain.append(stored)
+    if reached_held and held is not None and chain[-1].manifest.fingerprints == held.fingerprints:
+        return _cheapest(target, chain[-2::-1])  # every version after the one held
+    if kf is not None:
+        return _from_keyframe(target, chain, kf)
+    if reached_held:
+        # The bits held are not that version's: the route needs a keyframe, there or below.
+        below = run.ancestors(chain[-1], floor=1)
+        while stored is not None:
+            if stored.manifest.keyframe is not None:
+                return _from_keyframe(target, chain, len(chain) - 1)
+            stored = next(below, None)
+            if stored is not None:
+                chain.append(stored)
+    raise VersionNotFound(f"{run.name}: no keyframe at or below version {target.version} is left in the bucket")
 
 
 def _keyframe_tensors(
@@ -165,22 +221,38 @@ def _keyframe_tensors(
 
 
 def _check_transition(stored: StoredManifest, parent_fps: Mapping[str, int], infos: Mapping[str, TensorInfo]) -> None:
-    """The patch's tensors are the manifest's layout, from the parent's fingerprints to its own."""
+    """The patch's headers describe the manifest's transition: its layout (so every size they
+    declare is bounded by the real tensors), from the parent's fingerprints to its own, with
+    as many changes as it says. Checked before any payload is decompressed."""
     manifest = stored.manifest
-    check_layout({name: info.spec for name, info in infos.items()}, manifest.specs)
+    described = {name: info.spec for name, info in infos.items()}
+    if described != dict(manifest.specs):
+        listed = manifest.specs
+        other = sorted(n for n in described.keys() & listed.keys() if described[n] != listed[n])
+        raise FormatError(
+            f"version {stored.version}: the patch's headers do not describe the manifest's tensors "
+            f"(not in the manifest: {sorted(described.keys() - listed.keys())[:3]}, "
+            f"left out: {sorted(listed.keys() - described.keys())[:3]}, another dtype or shape: {other[:3]})"
+        )
     target_fps = manifest.fingerprints
     for name, info in infos.items():
         if info.base_fingerprint != parent_fps.get(name) or info.target_fingerprint != target_fps[name]:
             raise FingerprintMismatch(
                 f"version {stored.version}: patch of {name!r} does not match the manifests' fingerprints"
             )
+    changed = sum(info.changed for info in infos.values())
+    if manifest.patch is not None and changed != manifest.patch.changed_elements:
+        raise FormatError(
+            f"version {stored.version}: the patch's headers count {changed} changed elements, "
+            f"its manifest {manifest.patch.changed_elements}"
+        )
 
 
-def _transition(stored: StoredManifest, parent_fps: Mapping[str, int], shards: Sequence[bytes]) -> Patch:
-    patch = decode(shards)
-    infos = {td.spec.name: TensorInfo(td.spec, td.base_fingerprint, td.target_fingerprint, td.changed) for td in patch}
-    _check_transition(stored, parent_fps, infos)
-    return patch
+def _check_held_layout(step: StoredManifest, layout: Mapping[str, TensorSpec] | None) -> None:
+    """A patched version lists the tensors of the version before it, which the target holds."""
+    if layout is not None and dict(step.manifest.specs) != dict(layout):
+        check_layout(step.manifest.specs, layout)  # says which tensor differs
+        raise IncompatibleTensors(f"version {step.version}: the manifest's tensors are not the ones held")
 
 
 def _apply_and_activate(target: WeightTarget, stored: StoredManifest, apply: Callable[[], dict[str, int]]) -> None:
@@ -194,7 +266,7 @@ def _apply_and_activate(target: WeightTarget, stored: StoredManifest, apply: Cal
                 f"version {stored.version}: bits after apply do not match the manifest "
                 f"({', '.join(bad)}; got {[format_fingerprint(new_fps.get(n, 0)) for n in bad]})"
             )
-        target.activate(stored.version)
+        target.activate(stored.version, manifest_digest=stored.digest)
     except BaseException:
         target.abort()  # put back what the target held before
         raise
@@ -227,19 +299,24 @@ def execute(
         t1 = time.perf_counter()
         try:
             target.load_full(tensors, sync_plan.keyframe.manifest.specs)
-            target.activate(sync_plan.keyframe.version)
+            target.activate(sync_plan.keyframe.version, manifest_digest=sync_plan.keyframe.digest)
         except BaseException:
             target.abort()
             raise
         report.apply_s += time.perf_counter() - t1
         report.keyframe = sync_plan.keyframe.version
-        current = Held(sync_plan.keyframe.version, dict(sync_plan.keyframe.manifest.fingerprints))
+        current = Held(
+            sync_plan.keyframe.version, dict(sync_plan.keyframe.manifest.fingerprints), sync_plan.keyframe.digest
+        )
         if on_activate is not None:
             on_activate(sync_plan.keyframe)
     if not sync_plan.patches:
         return report
     if current is None:
         raise InternalError("a patch route needs a held version or a keyframe")
+    layout = target.layout()
+    for step in sync_plan.patches:
+        _check_held_layout(step, layout)
     t0 = time.perf_counter()
     refs = [ref for step in sync_plan.patches for ref in (step.manifest.patch.shards if step.manifest.patch else ())]
     blobs = run.download(refs, on_bytes)
@@ -252,25 +329,29 @@ def execute(
         if step.manifest.patch is None:
             raise InternalError(f"version {step.version} has no patch, yet a route was planned through it")
         counts.append(len(step.manifest.patch.shards))
+    # Every transition's headers are read and checked against its manifest before any
+    # payload is decompressed: nothing is sized by a header the manifests do not back.
+    checked = []
+    position = 0
+    parent_fps: Mapping[str, int] = held_fps
+    for step, count in zip(sync_plan.patches, counts, strict=True):
+        views, headers, infos = shard_views(blobs[position : position + count], DEFAULT_LIMITS)
+        _check_transition(step, parent_fps, infos)
+        checked.append((views, headers, infos))
+        position += count
+        parent_fps = step.manifest.fingerprints
     if len(sync_plan.patches) == 1 and target.supports_shards:
         # One version behind (the steady state): the target applies straight from the
-        # shards once their headers agree with the manifests (patcher.apply_shards).
-        step = sync_plan.patches[0]
-        infos = shard_views(blobs, DEFAULT_LIMITS)[2]
-        _check_transition(step, held_fps, infos)
+        # shards, which decode as they are applied (patcher.apply_shards).
+        infos = checked[0][2]
         report.decode_s = time.perf_counter() - t1
         report.transitions = 1
         report.changed_elements = sum(info.changed for info in infos.values())
         t2 = time.perf_counter()
         _apply_and_activate(target, sync_plan.target, lambda: target.apply_shards(blobs, held_fps))
     else:
-        patches: list[Patch] = []
-        position = 0
-        parent_fps: Mapping[str, int] = current.fingerprints
-        for step, count in zip(sync_plan.patches, counts, strict=True):
-            patches.append(_transition(step, parent_fps, blobs[position : position + count]))
-            position += count
-            parent_fps = step.manifest.fingerprints
+        patches = [decode_views(views, headers, infos) for views, headers, infos in checked]
+        del checked
         folded = fold(patches) if len(patches) > 1 else patches[0]
         report.decode_s = time.perf_counter() - t1
         report.transitions = len(patches)

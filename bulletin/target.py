@@ -15,7 +15,8 @@ that callers read instead of probing. In the order a Subscriber calls it::
     apply(patch, fingerprints)    -> new fingerprints; in place; restores on failure
     apply_shards(shards, fps)     the same from encoded shards (if supports_shards)
     abort()                       undo a load or apply that will not be activated
-    activate(version)             make it live and durable (engine reload, state file)
+    activate(version, *, manifest_digest=None)
+                                  make it live and durable (engine reload, state file)
     close()                       release files and handles (idempotent)
 
 Until ``activate`` the previous version is still the one reported as current.
@@ -23,38 +24,49 @@ Until ``activate`` the previous version is still the one reported as current.
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import json
+import logging
 import os
+import re
 import secrets
 import shutil
+import weakref
+import zipfile
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
-from pydantic import ValidationError
 
 from bulletin.checkpoint import Checkpoint, write_checkpoint
 from bulletin.errors import (
+    BulletinError,
     ConfigError,
     FormatError,
     IncompatibleTensors,
     InvalidInput,
+    ReplicaBusy,
 )
-from bulletin.fileio import write_atomic
+from bulletin.fileio import atomic_file, fsync_dir, local_error, os_errors, stage_file, write_atomic
 from bulletin.keyspace import check_run_name
 from patcher.apply import apply as apply_patch
 from patcher.apply_shards import apply_shards
 from patcher.decode import decode
 from patcher.fingerprint import fingerprint, format_fingerprint, parse_fingerprint
 from patcher.patch import Patch, TensorSpec
+from schemas.common import parse_document
 from schemas.local_state import JournalV1, LocalStateV1
 
-__all__ = ["ArrayTarget", "Held", "LocalDirTarget", "WeightTarget"]
+__all__ = ["ArrayTarget", "Held", "LocalDirTarget", "WeightTarget", "read_local_state"]
+
+log = logging.getLogger("bulletin.target")
 
 Bits = NDArray[np.unsignedinteger]
 #: A change an ArrayTarget applied: a decoded patch, or the shards it applied straight from.
@@ -63,10 +75,18 @@ _Applied = Patch | Sequence[bytes]
 
 @dataclass(frozen=True, slots=True)
 class Held:
-    """What a target holds, verified: a version and its tensors' fingerprints."""
+    """What a target holds, verified: a version and its tensors' fingerprints.
+
+    ``manifest_digest`` is the SHA-256 of the run manifest the version was synced from
+    (what a Subscriber checks the run's chain against before it plans a route); None
+    where it is not known (a state written before it was recorded, a version activated
+    without a manifest). It is provenance, not content: two Helds with the same version
+    and fingerprints compare equal whatever their digests.
+    """
 
     version: int
     fingerprints: dict[str, int]
+    manifest_digest: str | None = field(default=None, compare=False)
 
 
 class WeightTarget(ABC):
@@ -126,8 +146,12 @@ class WeightTarget(ABC):
         """Recompute every tensor's fingerprint from the bits held (staged ones included)."""
 
     @abstractmethod
-    def activate(self, version: int) -> None:
-        """Make what was loaded or applied live and durable as ``version``."""
+    def activate(self, version: int, *, manifest_digest: str | None = None) -> None:
+        """Make what was loaded or applied live and durable as ``version``.
+
+        ``manifest_digest`` is the SHA-256 of the run manifest of ``version`` (sync passes
+        it); durable targets record it, so that :meth:`restored` reports it after a
+        restart, and in-memory ones may keep it for their lifetime."""
 
     def abort(self) -> None:
         """Drop a load or apply that will not be activated, restoring the bits of the
@@ -167,6 +191,7 @@ class ArrayTarget(WeightTarget):
         self.specs: dict[str, TensorSpec] | None = None
         self.arrays: dict[str, Bits] = {}
         self.version: int | None = None
+        self.manifest_digest: str | None = None
         # What the last activated version was before a load replaced it, and the patches
         # (or shards) applied since: the undo data of abort.
         self._replaced: tuple[dict[str, TensorSpec] | None, dict[str, Bits], list[_Applied]] | None = None
@@ -210,8 +235,9 @@ class ArrayTarget(WeightTarget):
     def full_fingerprints(self) -> dict[str, int]:
         return {name: fingerprint(bits) for name, bits in self.arrays.items()}
 
-    def activate(self, version: int) -> None:
+    def activate(self, version: int, *, manifest_digest: str | None = None) -> None:
         self.version = version
+        self.manifest_digest = manifest_digest
         self._replaced = None
         self._applied = []
 
@@ -226,93 +252,272 @@ class ArrayTarget(WeightTarget):
         self._applied = []
 
 
+def read_local_state(directory: str | os.PathLike[str], *, run: str | None = None) -> LocalStateV1 | None:
+    """What a replica folder's ``state.json`` records, read only (None if there is none).
+
+    Takes no lock, runs no recovery and creates or changes nothing, so it may look at a
+    folder that a writer holds (``bulletin status --local``): while that writer is
+    mid-change it reports the version activated last, which is what the folder holds
+    once the writer's change commits or is rolled back. ``run`` refuses (``ConfigError``)
+    a folder that holds another run.
+    """
+    folder = Path(directory)
+    if run is not None:
+        check_run_name(run)
+    path = folder / LocalDirTarget.STATE
+    try:
+        data = path.read_bytes()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as exc:
+        raise local_error(exc, f"cannot read {path}") from exc
+    state = parse_document(LocalStateV1, data, source=f"{path} (local state)")
+    if run is not None and state.run is not None and state.run != run:
+        raise ConfigError(f"{folder} holds run {state.run!r}, not {run!r}")
+    return state
+
+
+#: Temp names LocalDirTarget (and bulletin.fileio on its behalf) writes in a replica folder.
+_TEMP_NAME = re.compile(r"\.(state\.json|journal\.json|journal\.npz|current)\.tmp(-\d+)?")
+#: Model folders LocalDirTarget names (``model-`` and 12 hex digits).
+_MODEL_NAME = re.compile(r"model-[0-9a-f]{12}")
+
+
 class LocalDirTarget(WeightTarget):
     """A directory holding the current version as plain safetensors, changed atomically.
 
     Layout::
 
         state.json        LocalStateV1: version, fingerprints, which model folder
-        current ->        symlink to the model folder (point engines here)
-        model-<id>/       model.safetensors (+ HF index when split)
+        current ->        symlink to the model folder state.json names (point engines here)
+        model-<id>/       model.safetensors (+ HF index when split), and .bulletin-model,
+                          the mark of a folder this class created
         journal.json/.npz present only while an in-place apply runs (undo data)
+        .bulletin-lock    the writer's lock (it records the writer's process id)
 
-    An apply writes the old bits of every element it will change to the journal
-    (fsynced) before touching the files, and the state file names the new version
-    only after the files are flushed. Opening the directory after a crash restores
-    from the journal, so the folder always holds exactly the version ``state.json``
-    names. A keyframe is written to a fresh folder and switched to by replacing
-    ``state.json``; leftover folders are removed at the next open.
+    **One writer.** A target holds an exclusive OS lock (``flock`` on ``.bulletin-lock``)
+    from its construction to :meth:`close`, or to the end of its process however it
+    ends. A second target on the folder, in another process or in this one, raises
+    :class:`~bulletin.errors.ReplicaBusy` at once and reads, recovers and changes
+    nothing. Recovery runs only under the lock; to look without writing (``bulletin
+    status --local``) use :func:`read_local_state`.
+
+    **Crash safety.** ``state.json`` is the one truth, and replacing it (an atomic
+    rename of a file already fsynced) is the commit point of every change:
+
+    - a keyframe (:meth:`load_full`) goes to a fresh marked folder, its files fsynced;
+    - an in-place :meth:`apply` makes the old bits of every element it will change
+      durable (``journal.npz``, then ``journal.json``) before it touches the files, and
+      flushes them before :meth:`activate`;
+    - :meth:`activate` writes the new state and the new ``current`` link under temp names,
+      renames the state over ``state.json`` (the commit), then switches ``current`` and
+      drops the journal and the folder it replaced. A failure before the commit leaves
+      the previous version in force (:meth:`abort` puts its bits back); a step after it
+      that fails is logged, not raised, and redone by the next open.
+
+    Every open under the lock finishes what a killed writer left: it writes the undo
+    data back if ``state.json`` still names the version the journal started from,
+    points ``current`` at the folder ``state.json`` names, and removes temp files and
+    the marked folders it does not name. Whatever instant a writer died at, the folder
+    then holds exactly the version ``state.json`` names, bit for bit, and ``current``
+    resolves to it. Nothing this class did not create is removed: a folder without the
+    mark stays (an empty one with this class's naming, from a crash between creating it
+    and marking it, is the exception).
+
+    **Failures are typed.** The disk's refusals are
+    :class:`~bulletin.errors.LocalStorageError` kinds (``DiskFull``, ``ReadOnlyStorage``,
+    ``PermissionDenied``, see :mod:`bulletin.fileio`), unreadable state or journal files
+    ``FormatError``; the held version stays intact and temp files and new folders are
+    removed.
     """
 
     STATE = "state.json"
     JOURNAL = "journal.json"
     UNDO = "journal.npz"
     CURRENT = "current"
+    LOCK = ".bulletin-lock"
+    MARKER = ".bulletin-model"
 
     def __init__(self, directory: str | os.PathLike[str], *, run: str | None = None) -> None:
         self.dir = Path(directory)
         self.run = None if run is None else check_run_name(run)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self._state = self._read_state()
+        self._state: LocalStateV1 | None = None
         self._checkpoint: Checkpoint | None = None
         self._pending: tuple[str, Checkpoint] | None = None
         self._pending_fps: dict[str, int] | None = None
-        self._recover()
-        if self._state is not None:
-            self._checkpoint = Checkpoint(self.dir / self._state.model_dir, writable=True)
+        self._journaled = False  # an in-place apply since the last activation wrote the journal
+        with os_errors(f"cannot create the replica folder {self.dir}"):
+            self.dir.mkdir(parents=True, exist_ok=True)
+        self._unlock: Callable[[], None] = self._lock()
+        try:
+            self._state = self._read_state()
+            self._recover()
+            if self._state is not None:
+                self._checkpoint = Checkpoint(self.dir / self._state.model_dir, writable=True)
+        except BaseException:
+            self._unlock()
+            raise
+
+    # -- the one writer ------------------------------------------------------------------
+
+    def _lock(self) -> Callable[[], None]:
+        """Take the folder's lock, or raise ReplicaBusy; returns what releases it."""
+        path = self.dir / self.LOCK
+        with os_errors(f"cannot open the lock file {path}"):
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                pid = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+            except OSError:
+                pid = ""
+            finally:
+                os.close(fd)
+            holder = (
+                "another target in this process"
+                if pid == str(os.getpid())
+                else f"process {pid}"
+                if pid.isdigit()
+                else "another process"
+            )
+            raise ReplicaBusy(
+                f"{self.dir} is held by {holder} (lock {path}): a replica folder has one writer at a time"
+            ) from None
+        except OSError as exc:
+            os.close(fd)
+            raise local_error(exc, f"cannot lock {path}") from exc
+        # Released by close(), or when this object is collected, or at exit; the kernel
+        # releases it when the process dies, a SIGKILL included.
+        unlock = weakref.finalize(self, os.close, fd)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError:
+            pass  # only the message of a second opener would miss it
+        return unlock
 
     # -- state ---------------------------------------------------------------------------
 
-    def _read_state(self) -> LocalStateV1 | None:
-        path = self.dir / self.STATE
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:
+    @classmethod
+    def peek(cls, directory: str | os.PathLike[str], *, run: str | None = None) -> Held | None:
+        """What :meth:`restored` of a target on ``directory`` would report, read only: no
+        lock, no recovery, nothing created or changed (see :func:`read_local_state`)."""
+        state = read_local_state(directory, run=run)
+        if state is None:
             return None
-        try:
-            state = LocalStateV1.model_validate_json(data)
-        except ValidationError as exc:
-            raise FormatError(f"{path}: unreadable local state: {exc.errors()[0]['msg']}") from exc
-        if self.run is not None and state.run is not None and state.run != self.run:
-            raise ConfigError(f"{self.dir} holds run {state.run!r}, not {self.run!r}")
-        return state
+        fingerprints = {n: parse_fingerprint(f) for n, f in state.fingerprints.items()}
+        return Held(state.version, fingerprints, state.manifest_digest)
+
+    def _read_state(self) -> LocalStateV1 | None:
+        return read_local_state(self.dir, run=self.run)
 
     def _read_journal(self, path: Path) -> JournalV1:
-        try:
-            return JournalV1.model_validate_json(path.read_bytes())
-        except ValidationError as exc:
-            raise FormatError(f"{path}: unreadable undo journal: {exc.errors()[0]['msg']}") from exc
+        return parse_document(JournalV1, path.read_bytes(), source=f"{path} (undo journal)")
+
+    def _uncommitted(self, journal: JournalV1) -> bool:
+        """Whether the journal's apply did not commit: state.json still names its start."""
+        return (
+            self._state is not None
+            and journal.model_dir == self._state.model_dir
+            and journal.from_version == self._state.version
+        )
 
     def _recover(self) -> None:
+        """Under the lock: finish what a killed writer left (see the class docstring)."""
         journal_path = self.dir / self.JOURNAL
-        if journal_path.exists():
-            journal = self._read_journal(journal_path)
-            if (
-                self._state is not None
-                and journal.model_dir == self._state.model_dir
-                and journal.from_version == self._state.version
-            ):
-                self._undo(journal)  # the apply never committed: put the old bits back
-            (self.dir / self.UNDO).unlink(missing_ok=True)
-            journal_path.unlink()
-        keep = {self._state.model_dir} if self._state else set()
-        for entry in self.dir.iterdir():
-            if entry.name.startswith("model-") and entry.name not in keep and entry.is_dir():
-                shutil.rmtree(entry)
+        with os_errors(f"cannot recover {self.dir}"):
+            if journal_path.exists():
+                journal = self._read_journal(journal_path)
+                if self._uncommitted(journal):
+                    self._undo(journal)  # the apply never committed: put the old bits back
+            self._drop_journal()  # undo data without a journal: the apply had not begun writing
+            if self._state is not None:
+                self._point_current(self._state.model_dir)
+            keep = self._state.model_dir if self._state is not None else None
+            for entry in list(os.scandir(self.dir)):
+                if entry.is_dir(follow_symlinks=False):
+                    if entry.name != keep and entry.name.startswith("model-"):
+                        self._remove_model(entry.name)
+                elif _TEMP_NAME.fullmatch(entry.name):
+                    os.unlink(entry.path)
+
+    def _drop_journal(self) -> None:
+        # Undo data first: a journal without it means "nothing left to write back".
+        (self.dir / self.UNDO).unlink(missing_ok=True)
+        (self.dir / self.JOURNAL).unlink(missing_ok=True)
 
     def _undo(self, journal: JournalV1) -> None:
         undo_path = self.dir / self.UNDO
-        if not undo_path.exists():  # crashed before the undo data was durable: nothing changed
+        if not undo_path.exists():  # not yet durable (nothing changed) or already written back
             return
-        with (
-            Checkpoint(self.dir / journal.model_dir, writable=True) as ckpt,
-            np.load(undo_path, allow_pickle=False) as undo,
-        ):
-            names = json.loads(bytes(undo["names"]).decode())
-            for k, name in enumerate(names):
-                flat = ckpt.bits(name).reshape(-1)
-                flat[undo[f"i{k}"]] = undo[f"o{k}"]
-            ckpt.flush()
+        try:
+            with (
+                Checkpoint(self.dir / journal.model_dir, writable=True) as ckpt,
+                open(undo_path, "rb") as fh,  # numpy leaks its own handle on a torn file
+                np.load(fh, allow_pickle=False) as undo,
+            ):
+                names = json.loads(bytes(undo["names"]).decode())
+                for k, name in enumerate(names):
+                    flat = ckpt.bits(name).reshape(-1)
+                    flat[undo[f"i{k}"]] = undo[f"o{k}"]
+                ckpt.flush()
+        except BulletinError:
+            raise
+        except (zipfile.BadZipFile, EOFError, KeyError, ValueError, IndexError) as exc:
+            raise FormatError(
+                f"{undo_path}: unreadable undo data ({type(exc).__name__}: {exc}); "
+                f"the folder cannot be rolled back: remove {self.dir} and sync again"
+            ) from exc
+
+    def _point_current(self, model_dir: str) -> None:
+        """Make ``current`` resolve to ``model_dir`` (an atomic switch), if it does not."""
+        link = self.dir / self.CURRENT
+        try:
+            if os.readlink(link) == model_dir:
+                return
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:
+                raise ConfigError(f"{link} is not the symlink Bulletin keeps there: move it away") from None
+            raise
+        os.replace(self._stage_link(model_dir), link)
+        fsync_dir(self.dir)
+
+    def _stage_link(self, model_dir: str) -> Path:
+        tmp = self.dir / f".{self.CURRENT}.tmp"
+        with os_errors(f"cannot link {self.dir / self.CURRENT}"):
+            tmp.unlink(missing_ok=True)
+            os.symlink(model_dir, tmp)
+        return tmp
+
+    def _remove_model(self, name: str, *, quiet: bool = False) -> None:
+        """Remove a model folder this class created (it holds MARKER), the mark last, so
+        that a crash midway leaves it recognisable (or empty) to the next open. A folder
+        without the mark is left alone, unless it is empty and has this class's naming."""
+        folder = self.dir / name
+        try:
+            with os_errors(f"cannot remove {folder}"):
+                if not folder.is_dir():
+                    return
+                if not (folder / self.MARKER).exists():
+                    if _MODEL_NAME.fullmatch(name) and not any(folder.iterdir()):
+                        folder.rmdir()
+                    return
+                for entry in os.scandir(folder):
+                    if entry.name == self.MARKER:
+                        continue
+                    if entry.is_dir(follow_symlinks=False):
+                        shutil.rmtree(entry.path)
+                    else:
+                        os.unlink(entry.path)
+                os.unlink(folder / self.MARKER)
+                folder.rmdir()
+        except (BulletinError, OSError) as exc:
+            if not quiet:
+                raise
+            log.warning("%s", exc)
 
     def layout(self) -> Mapping[str, TensorSpec] | None:
         return self._checkpoint.specs if self._checkpoint is not None else None
@@ -320,7 +525,11 @@ class LocalDirTarget(WeightTarget):
     def restored(self) -> Held | None:
         if self._state is None:
             return None
-        return Held(self._state.version, {n: parse_fingerprint(f) for n, f in self._state.fingerprints.items()})
+        return Held(
+            self._state.version,
+            {n: parse_fingerprint(f) for n, f in self._state.fingerprints.items()},
+            self._state.manifest_digest,
+        )
 
     @property
     def staged_path(self) -> Path:
@@ -340,8 +549,17 @@ class LocalDirTarget(WeightTarget):
         _check_full(tensors, specs)
         self._discard_pending()
         name = f"model-{secrets.token_hex(6)}"
-        write_checkpoint(self.dir / name, specs, tensors)
-        self._pending = (name, Checkpoint(self.dir / name, writable=True))
+        folder = self.dir / name
+        try:
+            with os_errors(f"cannot create {folder}"):
+                os.mkdir(folder)
+                os.close(os.open(folder / self.MARKER, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+            write_checkpoint(folder, specs, tensors)
+            ckpt = Checkpoint(folder, writable=True)
+        except BaseException:
+            self._remove_model(name, quiet=True)  # nothing half-written stays behind
+            raise
+        self._pending = (name, ckpt)
         self._pending_fps = None
 
     def _working(self) -> tuple[str, Checkpoint]:
@@ -355,8 +573,17 @@ class LocalDirTarget(WeightTarget):
         model_dir, ckpt = self._working()
         patch.check_layout(ckpt.specs)
         journaled = self._state is not None and model_dir == self._state.model_dir
+        if journaled and self._journaled:
+            # A second journal would hold the bits after the first apply, not the version's.
+            raise InvalidInput("an in-place apply is pending: activate or abort it before applying again")
         if journaled and self._state is not None:
-            self._write_journal(patch, ckpt, JournalV1(model_dir=model_dir, from_version=self._state.version))
+            try:
+                self._write_journal(patch, ckpt, JournalV1(model_dir=model_dir, from_version=self._state.version))
+            except BaseException:
+                with contextlib.suppress(OSError):  # nothing was changed yet: drop the half
+                    self._drop_journal()
+                raise
+            self._journaled = True
         arrays = {name: ckpt.bits(name) for name in ckpt.specs}
         try:
             new_fps = apply_patch(patch, arrays, fingerprints)  # restores in memory on failure
@@ -377,12 +604,11 @@ class LocalDirTarget(WeightTarget):
         for k, td in enumerate(changed):
             undo[f"i{k}"] = td.indices
             undo[f"o{k}"] = ckpt.bits(td.spec.name).reshape(-1)[td.indices]
-        tmp = self.dir / f".{self.UNDO}.tmp"
-        with open(tmp, "wb") as fh:
+        with os_errors(f"cannot write {self.dir / self.JOURNAL}"):
+            # A stale journal (a tidy-up that failed) must never name this undo data.
+            (self.dir / self.JOURNAL).unlink(missing_ok=True)
+        with atomic_file(self.dir / self.UNDO) as fh:  # the temp file goes on failure
             np.savez(fh, **undo)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, self.dir / self.UNDO)
         write_atomic(self.dir / self.JOURNAL, [journal.model_dump_json().encode()])
 
     def full_fingerprints(self) -> dict[str, int]:
@@ -391,7 +617,7 @@ class LocalDirTarget(WeightTarget):
         _, ckpt = self._working()
         return {name: fingerprint(ckpt.bits(name)) for name in ckpt.specs}
 
-    def activate(self, version: int) -> None:
+    def activate(self, version: int, *, manifest_digest: str | None = None) -> None:
         if self._pending is None:
             raise InvalidInput("nothing to activate: load or apply first")
         model_dir, ckpt = self._pending
@@ -403,14 +629,24 @@ class LocalDirTarget(WeightTarget):
             version=version,
             model_dir=model_dir,
             fingerprints={n: format_fingerprint(fp) for n, fp in sorted(fps.items())},
+            manifest_digest=manifest_digest,
             updated_at=datetime.now(UTC),
         )
-        # The commit point of the local copy: from here on the folder is `version`.
-        write_atomic(self.dir / self.STATE, [state.model_dump_json().encode()])
-        link_tmp = self.dir / f".{self.CURRENT}.tmp"
-        link_tmp.unlink(missing_ok=True)
-        link_tmp.symlink_to(model_dir)
-        os.replace(link_tmp, self.dir / self.CURRENT)
+        # Everything that can fail is staged before the commit point: the state file
+        # (fsynced, under a temp name) and the new `current` link.
+        state_path = self.dir / self.STATE
+        staged = stage_file(state_path, [state.model_dump_json().encode()])
+        link_tmp: Path | None = None
+        try:
+            link_tmp = self._stage_link(model_dir)
+            with os_errors(f"cannot write {state_path}"):
+                os.replace(staged, state_path)  # the commit point: from here on the folder is `version`
+        except BaseException:
+            for tmp in (staged, link_tmp):
+                if tmp is not None:
+                    with contextlib.suppress(OSError):
+                        tmp.unlink(missing_ok=True)
+            raise
         old = self._state.model_dir if self._state else None
         self._state = state
         if self._checkpoint is not None and self._checkpoint is not ckpt:
@@ -418,32 +654,63 @@ class LocalDirTarget(WeightTarget):
         self._checkpoint = ckpt
         self._pending = None
         self._pending_fps = None
-        (self.dir / self.UNDO).unlink(missing_ok=True)
-        (self.dir / self.JOURNAL).unlink(missing_ok=True)
-        if old is not None and old != model_dir:
-            shutil.rmtree(self.dir / old, ignore_errors=True)
+        self._journaled = False
+        self._settle(link_tmp, None if old == model_dir else old)
+
+    def _settle(self, link_tmp: Path, replaced: str | None) -> None:
+        """After the commit: switch ``current``, make both renames durable, drop the
+        journal and the folder ``replaced``. Nothing here may undo the commit, and the next
+        open redoes whatever did not happen, so a failure is logged rather than raised."""
+        try:
+            if replaced is not None:  # a folder state.json named is this class's, marked or not
+                self._mark(replaced)  # (so that the next open removes it if this does not)
+            with os_errors(f"cannot link {self.dir / self.CURRENT}"):
+                os.replace(link_tmp, self.dir / self.CURRENT)
+            fsync_dir(self.dir)
+            with os_errors(f"cannot remove the journal in {self.dir}"):
+                self._drop_journal()
+            if replaced is not None:
+                self._remove_model(replaced)
+        except (BulletinError, OSError) as exc:
+            log.warning(
+                "%s: version %s is committed, but tidying up failed (the next open finishes it): %s",
+                self.dir,
+                self._state.version if self._state else None,
+                exc,
+            )
+
+    def _mark(self, name: str) -> None:
+        with os_errors(f"cannot mark {self.dir / name}"):
+            if (self.dir / name).is_dir():
+                os.close(os.open(self.dir / name / self.MARKER, os.O_WRONLY | os.O_CREAT, 0o644))
 
     def _discard_pending(self) -> None:
         if self._pending is not None:
             name, ckpt = self._pending
             if self._state is None or name != self._state.model_dir:
                 ckpt.close()
-                shutil.rmtree(self.dir / name, ignore_errors=True)
+                self._remove_model(name, quiet=True)  # or at the next open
         self._pending = None
         self._pending_fps = None
 
     def abort(self) -> None:
         """Drop a load or apply that will not be activated, restoring what was held."""
         journal_path = self.dir / self.JOURNAL
-        if journal_path.exists():
-            journal = self._read_journal(journal_path)
-            if self._state is not None and journal.model_dir == self._state.model_dir:
-                self._undo(journal)
-        (self.dir / self.UNDO).unlink(missing_ok=True)
-        journal_path.unlink(missing_ok=True)
+        with os_errors(f"cannot restore {self.dir}"):
+            if journal_path.exists():
+                journal = self._read_journal(journal_path)
+                if self._uncommitted(journal):
+                    self._undo(journal)
+                self._drop_journal()
+        self._journaled = False
         self._discard_pending()
 
     def close(self) -> None:
+        """Release the files and the folder's lock (idempotent). A change not activated
+        stays on disk until the next open rolls it back."""
+        if self._pending is not None and self._pending[1] is not self._checkpoint:
+            self._pending[1].close()
         if self._checkpoint is not None:
             self._checkpoint.close()
             self._checkpoint = None
+        self._unlock()

@@ -31,7 +31,6 @@ __all__ = [
     "PARALLEL_MIN",
     "PIECE",
     "apply",
-    "apply_tensor",
     "check_bases",
     "check_targets",
     "check_threads",
@@ -174,23 +173,6 @@ def run_parallel(work: Callable[[_T], _R], items: Sequence[_T], threads: int, ch
         return [work(item) for item in items]
     with ThreadPoolExecutor(max_workers=min(threads, len(items)), thread_name_prefix="bulletin-apply") as pool:
         return list(pool.map(work, items))
-
-
-def apply_tensor(bits: NDArray[np.unsignedinteger], delta: TensorDelta) -> int:
-    """Apply one tensor's delta in place; returns the resulting fingerprint.
-
-    ``bits`` is the tensor's writable, C-contiguous array, of any dtype of the tensor's
-    width and any shape with its element count. The fingerprint is computed from
-    ``delta.base_fingerprint`` and the bits actually overwritten, so it equals the
-    target only if those bits were the base's. This checks nothing else and restores
-    nothing: :func:`apply` is the safe entry point.
-    """
-    delta.validate()
-    old = np.empty(delta.changed, dtype=delta.delta.dtype)
-    done, change = _scatter(_flat_target(bits, delta.spec), delta, 0, delta.changed, old)
-    if done != delta.changed:  # pragma: no cover - validate() refused such indices
-        raise InvalidInput(f"{delta.spec.name}: index {done} is out of range or out of order")
-    return (delta.base_fingerprint + change) & _MASK64
 
 
 def apply(

@@ -74,9 +74,7 @@ def apply_shards(
     """
     workers = check_threads(threads)
     if not native.active():
-        patch = decode(shards, limits=limits)
-        if specs is not None:
-            patch.check_layout(specs)
+        patch = decode(shards, limits=limits, specs=specs)  # the layout is checked from the headers
         return apply(patch, tensors, fingerprints, threads=workers)
     views, headers, infos = shard_views(shards, limits)
     if specs is not None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -51,7 +51,7 @@ from patcher.format import (
     entry_parts,
     stream_sizes,
 )
-from patcher.patch import Patch, TensorDelta, TensorSpec
+from patcher.patch import Patch, TensorDelta, TensorSpec, check_layout
 from patcher.streams import byte_width, decode_deltas, decode_gaps
 
 __all__ = [
@@ -61,6 +61,7 @@ __all__ = [
     "check_shard_set",
     "decode",
     "decode_shard",
+    "decode_views",
     "entry_streams",
     "read_shard_header",
     "shard_views",
@@ -465,24 +466,79 @@ def shard_views(
     return views, headers, check_shard_set(headers)
 
 
-def decode(shards: Sequence[bytes | bytearray | memoryview], *, limits: DecodeLimits = DEFAULT_LIMITS) -> Patch:
+def decode(
+    shards: Sequence[bytes | bytearray | memoryview],
+    *,
+    limits: DecodeLimits = DEFAULT_LIMITS,
+    specs: Mapping[str, TensorSpec] | None = None,
+) -> Patch:
     """The patch that ``shards`` (every shard of it, in any order) encode.
 
     Checks that the shards form one complete patch before decompressing anything.
+    ``specs``, if given, is the layout the patch must have (the holder's: names, dtypes,
+    shapes; ``IncompatibleTensors`` otherwise), checked from the headers too, so that
+    nothing is decompressed or allocated for tensors the holder does not have.
     """
     views, headers, tensors = shard_views(shards, limits)
-    parts: dict[str, list[DecodedEntry]] = {name: [] for name in tensors}
-    for view, header in zip(views, headers, strict=True):
-        for entry in _decode_payload(view, header):
-            parts[entry.info.tensor].append(entry)
-    out: dict[str, TensorDelta] = {}
-    for name in sorted(tensors):
+    if specs is not None:
+        check_layout({name: info.spec for name, info in tensors.items()}, specs)
+    return decode_views(views, headers, tensors)
+
+
+def decode_views(
+    views: Sequence[memoryview], headers: Sequence[ShardHeader], tensors: Mapping[str, TensorInfo]
+) -> Patch:
+    """The payloads of shards that :func:`shard_views` read the headers of, as a patch.
+
+    Allocates what the headers declare, once: every tensor's ``changed`` indices and
+    deltas (validated against its spec: at most ``numel``, equal to its entries' counts),
+    in two arrays for the whole patch that each entry decodes into in place, and the
+    decompressed streams of one shard at a time. A caller that checked the headers
+    against its own layout (``tensors`` against its specs) has thereby bounded it all.
+    """
+    # Each tensor's changes sit contiguously, in name order; each entry's at the place
+    # its predecessors (by start, across shards) leave. Deltas start on 8-byte bounds.
+    names = sorted(tensors)
+    index_at: dict[str, int] = {}
+    delta_at: dict[str, int] = {}
+    indices_total = deltas_total = 0
+    for name in names:
         info = tensors[name]
-        pieces = sorted(parts[name], key=lambda d: d.info.start)
-        if len(pieces) == 1:
-            indices, delta = pieces[0].indices, pieces[0].delta
-        else:
-            indices = np.concatenate([p.indices for p in pieces])
-            delta = np.concatenate([p.delta for p in pieces])
+        index_at[name], delta_at[name] = indices_total, deltas_total
+        indices_total += info.changed
+        deltas_total += -(-info.changed * info.spec.width // 8) * 8
+    before: dict[tuple[str, int], int] = {}
+    by_tensor: dict[str, list[EntryInfo]] = {}
+    for header in headers:
+        for e in header.entries:
+            by_tensor.setdefault(e.tensor, []).append(e)
+    for name, entries in by_tensor.items():
+        done = 0
+        for e in sorted(entries, key=lambda e: e.start):
+            before[name, e.start] = done
+            done += e.count
+    index_arena = np.empty(indices_total, dtype=np.int64)
+    delta_arena = np.empty(deltas_total, dtype=np.uint8)
+    for view, header in zip(views, headers, strict=True):
+        for es in entry_streams(view, header):
+            e, spec = es.info, es.spec
+            if e.count == 0:
+                continue
+            first = before[e.tensor, e.start]
+            indices = index_arena[index_at[e.tensor] + first : index_at[e.tensor] + first + e.count]
+            at = delta_at[e.tensor] + first * spec.width
+            delta = delta_arena[at : at + e.count * spec.width].view(spec.bits_dtype)
+            decode_gaps(
+                es.low, es.gap_codes, es.gap_escapes, e.count, e.gap_escapes, e.start, e.stop, es.what, out=indices
+            )
+            decode_deltas(
+                es.delta_codes, es.delta_escapes, e.count, e.delta_escapes, spec.bits_dtype, es.what, out=delta
+            )
+    out: dict[str, TensorDelta] = {}
+    for name in names:
+        info = tensors[name]
+        n, width = info.changed, info.spec.width
+        indices = index_arena[index_at[name] : index_at[name] + n]
+        delta = delta_arena[delta_at[name] : delta_at[name] + n * width].view(info.spec.bits_dtype)
         out[name] = TensorDelta(info.spec, indices, delta, info.base_fingerprint, info.target_fingerprint)
     return Patch(out)

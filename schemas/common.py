@@ -25,8 +25,9 @@ __all__ = [
 
 #: Run names are one path segment: letters, digits, ``.``, ``_``, ``-``; 1-128 long.
 RUN_NAME_PATTERN: Final = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
-#: Reader cap for JSON documents; a manifest of 100k tensors stays far below it.
-MAX_DOCUMENT_BYTES: Final = 64 << 20
+#: Reader cap for JSON documents (FORMAT.md, "Manifests"): a manifest of 100 000 tensors
+#: with 40-byte names is 11.5 MiB, and its metadata can add at most 6.4 MiB.
+MAX_DOCUMENT_BYTES: Final = 32 << 20
 
 
 def _tensor_name(name: str) -> str:
@@ -68,23 +69,39 @@ RelativeKey = Annotated[
 _D = TypeVar("_D", bound=Document)
 
 
+def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    """``json.loads`` hook: one value per key. Pydantic alone keeps the last of several,
+    so two readers of the same bytes could disagree on what they say."""
+    out: dict[str, object] = {}
+    for key, value in pairs:
+        if key in out:
+            raise FormatError(f"duplicate key {key!r}")
+        out[key] = value
+    return out
+
+
 def parse_document(model: type[_D], data: bytes, *, source: str) -> _D:
     """Validate the JSON bytes of one document of ``model``'s type and format version.
 
     Oversized bytes, bytes that are not JSON, and another type of document are
     ``FormatError``, and a ``spec_version`` other than ``model``'s is
-    ``UnsupportedFormatVersion``, all before full validation; a document the model
-    refuses is ``FormatError`` with pydantic's first message. ``source`` (a key or a
-    path) begins every message.
+    ``UnsupportedFormatVersion``, all before full validation; so is an object (at any
+    depth) with a duplicate key, which pydantic alone would resolve silently to the
+    last value. A document the model refuses is ``FormatError`` with pydantic's first
+    message. ``source`` (a key or a path) begins every message.
     """
     kind: str = model.model_fields["format"].default
     version: int = model.model_fields["spec_version"].default
     if len(data) > MAX_DOCUMENT_BYTES:
         raise FormatError(f"{source}: {len(data)} bytes exceeds the {MAX_DOCUMENT_BYTES} cap")
     try:
-        raw = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raw = json.loads(data, object_pairs_hook=_no_duplicate_keys)
+    except FormatError as exc:
+        raise FormatError(f"{source}: {exc}") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, ints past the digit limit
         raise FormatError(f"{source}: not JSON: {exc}") from None
+    except RecursionError:
+        raise FormatError(f"{source}: JSON nested too deeply") from None
     if not isinstance(raw, dict) or raw.get("format") != kind:
         raise FormatError(f"{source}: not a {kind} document")
     if raw.get("spec_version") != version:

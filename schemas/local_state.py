@@ -10,6 +10,7 @@ from schemas.common import (
     Fingerprint,
     RelativeKey,
     RunName,
+    Sha256,
     TensorName,
     VersionNumber,
 )
@@ -31,6 +32,11 @@ class LocalStateV1(Document):
     """Folder inside the local directory holding the safetensors files."""
     fingerprints: dict[TensorName, Fingerprint]
     """Fingerprint of every tensor, as verified at activation."""
+    manifest_digest: Sha256 | None = None
+    """SHA-256 of the exact bytes of the run's manifest of ``version``: the chain a node
+    resumes on must still hold it (a run rolled back, rewritten or replaced is refused
+    unless the node opts in). Absent (null) in states written before it was recorded,
+    or for versions activated without a manifest (an offline checkpoint)."""
     updated_at: datetime
 
 

@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # Without standalone mode click returns a command's `Exit` code instead of exiting.
         result = cli.main(args=argv, prog_name="bulletin", standalone_mode=False, obj=output)
-    except BulletinError as exc:
+    except (BulletinError, MemoryError) as exc:  # a MemoryError prints as OutOfMemory
         if os.environ.get("BULLETIN_DEBUG"):
             raise
         return output.error(exc)

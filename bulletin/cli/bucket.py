@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from dataclasses import asdict
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -22,6 +22,11 @@ from bulletin.cli.options import store_options
 from bulletin.cli.output import Output, human_bytes, json_option, pass_output
 from bulletin.errors import InvalidInput
 from patcher.compression import CODECS, DEFAULT_CODEC
+
+if TYPE_CHECKING:
+    from bulletin.run import Run, StoredManifest
+    from bulletin.storage import Store
+    from bulletin.target import Held
 
 __all__ = [
     "gc_command",
@@ -31,6 +36,19 @@ __all__ = [
     "sync_command",
     "verify_command",
 ]
+
+
+def _existing_store(url: str) -> Store:
+    """The store ``url`` names, for a command that only reads it: a local directory that
+    does not exist is a mistake (a typo, a wrong mount), not an empty run."""
+    from bulletin.errors import NotFound
+    from bulletin.storage import open_store
+    from bulletin.storage.local import LocalStore
+
+    store = open_store(url)
+    if isinstance(store, LocalStore) and not Path(store.root).is_dir():
+        raise NotFound(f"no store at {store.root}: the directory does not exist")
+    return store
 
 
 @contextmanager
@@ -128,10 +146,30 @@ def publish_command(
 @click.option("--version", type=click.IntRange(min=1), default=None, help="Version to reach [default: newest].")
 @click.option("--follow", is_flag=True, help="Keep polling and applying new versions until interrupted.")
 @click.option("--interval", type=click.FloatRange(min=0.05), default=2.0, show_default=True)
+@click.option(
+    "--allow-reset",
+    is_flag=True,
+    help="Follow the run if it was rolled back or rewritten since DIR's version (DIR may move to an "
+    "older version or another chain); without it such a run is refused (exit 10).",
+)
+@click.option(
+    "--no-verify",
+    is_flag=True,
+    help="Skip re-hashing DIR's bits against its version before syncing (reads the whole model once); "
+    "damaged bits are rebuilt from a keyframe, never patched onto.",
+)
 @json_option
 @pass_output
 def sync_command(
-    out: Output, store: str, run: str, local_dir: Path, version: int | None, follow: bool, interval: float
+    out: Output,
+    store: str,
+    run: str,
+    local_dir: Path,
+    version: int | None,
+    follow: bool,
+    interval: float,
+    allow_reset: bool,
+    no_verify: bool,
 ) -> None:
     """Bring a local directory to a version of the run (safetensors under DIR/current)."""
     from bulletin.subscriber import Subscriber
@@ -139,9 +177,10 @@ def sync_command(
 
     with (
         _byte_progress(out, "downloading") as on_bytes,
-        Subscriber(store, run, local_dir, on_bytes=on_bytes) as sub,
+        Subscriber(store, run, local_dir, on_bytes=on_bytes, allow_reset=allow_reset) as sub,
     ):
         before = sub.current_version
+        check = None if no_verify else sub.verify(repair=False)  # damaged: the sync takes a keyframe route
         t0 = time.perf_counter()
         reached = sub.sync(version)
         report = sub.stats.last_report
@@ -157,14 +196,26 @@ def sync_command(
             "bytes_downloaded": downloaded,
             "keyframe": report.keyframe if report else None,
             "transitions": report.transitions if report else 0,
+            "verified": None if check is None or check.version is None else check,
+            "repaired": check is not None and not check.ok,
+            "reset": sub.stats.last_reset,
         }
-        out.emit(
-            data,
-            lambda: click.echo(
+
+        def human() -> None:
+            click.echo(
                 f"{run}: {before or 'nothing'} -> {reached} in {seconds:.2f}s "
                 f"({human_bytes(downloaded)} downloaded) at {path}"
-            ),
-        )
+            )
+            if check is not None and not check.ok:
+                names = ", ".join(check.mismatched[:3]) + (", ..." if len(check.mismatched) > 3 else "")
+                click.echo(
+                    f"  repaired: the bits held for version {check.version} did not match its fingerprints "
+                    f"({len(check.mismatched)} tensor(s): {names}); rebuilt from a keyframe"
+                )
+            if sub.stats.last_reset is not None:
+                click.echo(f"  reset (--allow-reset): {sub.stats.last_reset}")
+
+        out.emit(data, human)
         if not follow:
             return
         for reached in sub.follow(interval=interval, on_error=lambda exc: click.echo(f"warning: {exc}", err=True)):
@@ -185,9 +236,8 @@ def log_command(out: Output, store: str, run: str, limit: int | None) -> None:
     """The run's chain, newest first: version, kind, bytes, changed %, age."""
     from bulletin.maintenance import log
     from bulletin.run import Run
-    from bulletin.storage import open_store
 
-    entries = log(Run(open_store(store), run), limit=limit)
+    entries = log(Run(_existing_store(store), run), limit=limit)
 
     def human() -> None:
         click.echo(f"{'version':>8}  {'kind':<15} {'bytes':>12} {'changed %':>10} {'age':>7}")
@@ -202,15 +252,23 @@ def log_command(out: Output, store: str, run: str, limit: int | None) -> None:
 @click.command("status")
 @store_options
 @click.option("--local", "local_dir", type=click.Path(file_okay=False, path_type=Path), default=None)
+@click.option(
+    "--verify",
+    "verify_local",
+    is_flag=True,
+    help="Also re-hash the local copy's bits against its version (reads the whole model; exit 6 if "
+    "damaged). Run it between syncs: an apply in progress reads as damage.",
+)
 @json_option
 @pass_output
-def status_command(out: Output, store: str, run: str, local_dir: Path | None) -> None:
-    """The run's head and newest version, and a local copy's version and lag."""
+def status_command(out: Output, store: str, run: str, local_dir: Path | None, verify_local: bool) -> None:
+    """The run's head and newest version, and a local copy's version, lag, and whether the
+    run still continues it."""
     from bulletin.run import Run
     from bulletin.storage import open_store
     from bulletin.target import LocalDirTarget
 
-    remote = Run(open_store(store), run)
+    remote = Run(open_store(store), run)  # a store not there yet shows as empty
     head = remote.read_head()
     tip = remote.tip()
     data: dict[str, Any] = {
@@ -221,17 +279,62 @@ def status_command(out: Output, store: str, run: str, local_dir: Path | None) ->
         "newest_version": tip.version if tip else None,
     }
     if local_dir is not None:
-        restored = LocalDirTarget(local_dir, run=run).restored() if local_dir.exists() else None
+        restored = LocalDirTarget.peek(local_dir, run=run)  # read only: no lock, no recovery
         data["local_version"] = restored.version if restored else None
         data["lag"] = (tip.version - restored.version) if tip and restored else None
+        data["local_manifest_digest"] = restored.manifest_digest if restored else None
+        data["local_chain"] = _local_chain(remote, restored, tip) if restored else None
+        data["local_verify"] = _rehash_local(local_dir, run) if verify_local and restored else None
 
     def human() -> None:
         click.echo(f"run {run} in {remote.store.url}")
         click.echo(f"  head: {data['head_version'] or 'none'}  newest committed: {data['newest_version'] or 'none'}")
         if local_dir is not None:
             click.echo(f"  local {local_dir}: {data['local_version'] or 'empty'} (lag {data['lag']})")
+            chain = data.get("local_chain")
+            if chain is not None and not chain["ok"]:
+                click.echo(f"  the run no longer continues it ({chain['code']}): {chain['message']}")
+            checked = data.get("local_verify")
+            if checked is not None:
+                state = "bits intact" if checked["ok"] else f"DAMAGED: {', '.join(checked['mismatched'][:3])}"
+                click.echo(f"  verified version {checked['version']} in {checked['seconds']:.2f}s: {state}")
 
     out.emit(data, human)
+    checked = data.get("local_verify")
+    if checked is not None and not checked["ok"]:
+        raise click.exceptions.Exit(6)
+
+
+def _local_chain(remote: Run, held: Held, tip: StoredManifest | None) -> dict[str, Any]:
+    """Whether the run still continues the local copy's version (``check_chain``)."""
+    from bulletin.errors import ChainMismatch, RunRewound
+    from bulletin.sync import check_chain
+
+    try:
+        if tip is None:
+            raise RunRewound(f"{remote.name}: version {held.version} held here, but the run has no version left")
+        check_chain(remote, held, tip, tip=True)
+    except ChainMismatch as exc:
+        return {"ok": False, "code": exc.code, "message": str(exc)}
+    return {"ok": True, "code": None, "message": None}
+
+
+def _rehash_local(local_dir: Path, run: str) -> dict[str, Any] | None:
+    """The local copy's bits re-hashed against ``state.json``, reading only (no lock: a
+    sync applying in place at the same moment reads as damage; run it between syncs)."""
+    from bulletin.checkpoint import Checkpoint
+    from bulletin.target import read_local_state
+    from patcher.fingerprint import fingerprint, parse_fingerprint
+
+    state = read_local_state(local_dir, run=run)
+    if state is None:
+        return None
+    t0 = time.perf_counter()
+    with Checkpoint(local_dir / state.model_dir) as ckpt:
+        found = {name: fingerprint(ckpt.bits(name)) for name in ckpt.specs}
+    expected = {name: parse_fingerprint(fp) for name, fp in state.fingerprints.items()}
+    bad = sorted(n for n in expected.keys() | found.keys() if found.get(n) != expected.get(n))
+    return {"version": state.version, "ok": not bad, "mismatched": bad, "seconds": time.perf_counter() - t0}
 
 
 @click.command("verify")
@@ -242,9 +345,8 @@ def verify_command(out: Output, store: str, run: str) -> None:
     """Recompute the whole chain: digests, links, head, and every version's bits."""
     from bulletin.maintenance import verify
     from bulletin.run import Run
-    from bulletin.storage import open_store
 
-    report = verify(Run(open_store(store), run))
+    report = verify(Run(_existing_store(store), run))
     data = {
         "ok": report.ok,
         "versions": report.versions,
@@ -286,10 +388,9 @@ def gc_command(out: Output, store: str, run: str, keep: int, dry_run: bool, grac
     """Delete versions older than the newest KEEP (never what a keyframe chain needs)."""
     from bulletin.maintenance import collect_garbage
     from bulletin.run import Run
-    from bulletin.storage import open_store
 
     report = collect_garbage(
-        Run(open_store(store), run), keep=keep, dry_run=dry_run, grace=timedelta(minutes=grace_minutes)
+        Run(_existing_store(store), run), keep=keep, dry_run=dry_run, grace=timedelta(minutes=grace_minutes)
     )
 
     def human() -> None:

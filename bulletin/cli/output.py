@@ -3,7 +3,8 @@
 Every command prints through the :class:`Output` held in the click context
 (``ctx.obj``): the group's ``--json`` and each command's ``--json`` set it, so both
 ``bulletin --json log ...`` and ``bulletin log ... --json`` work. :func:`exit_status`
-maps the library's exceptions to exit statuses.
+maps the library's exceptions to exit statuses; a ``MemoryError`` is reported as
+:class:`~bulletin.errors.OutOfMemory` (:func:`as_bulletin_error`).
 """
 
 from __future__ import annotations
@@ -20,12 +21,15 @@ import click
 
 from bulletin.errors import (
     BulletinError,
+    ChainMismatch,
     Conflict,
     CorruptData,
     EngineError,
     InternalError,
     InvalidInput,
+    LocalStorageError,
     NotFound,
+    OutOfMemory,
     StorageUnavailable,
     WrongBase,
 )
@@ -33,6 +37,7 @@ from bulletin.errors import (
 __all__ = [
     "EXIT_CODES",
     "Output",
+    "as_bulletin_error",
     "exit_status",
     "human_bytes",
     "json_option",
@@ -52,13 +57,29 @@ EXIT_CODES: Final[tuple[tuple[type[BulletinError], int], ...]] = (
     (StorageUnavailable, 7),
     (EngineError, 8),
     (InternalError, 9),
+    (ChainMismatch, 10),
+    (LocalStorageError, 11),
+    (OutOfMemory, 12),
     (BulletinError, 1),
 )
 
 
-def exit_status(exc: BulletinError) -> int:
-    """The exit status for ``exc`` (see :data:`EXIT_CODES`)."""
-    return next(code for kind, code in EXIT_CODES if isinstance(exc, kind))
+def as_bulletin_error(exc: BulletinError | MemoryError) -> BulletinError:
+    """``exc`` as a kind of the tree: a ``MemoryError`` (raised anywhere, by NumPy or
+    Python itself) becomes :class:`~bulletin.errors.OutOfMemory`."""
+    if isinstance(exc, BulletinError):
+        return exc
+    detail = f" ({exc})" if str(exc) else ""
+    error = OutOfMemory(f"out of memory{detail}: free memory, lower the parallelism or use a larger machine")
+    error.__cause__ = exc
+    return error
+
+
+def exit_status(exc: BulletinError | MemoryError) -> int:
+    """The exit status for ``exc`` (see :data:`EXIT_CODES`; a ``MemoryError`` exits as
+    :class:`~bulletin.errors.OutOfMemory`)."""
+    error = as_bulletin_error(exc)
+    return next(code for kind, code in EXIT_CODES if isinstance(error, kind))
 
 
 def to_jsonable(value: Any) -> Any:
@@ -97,8 +118,9 @@ class Output:
         if not self.json:
             click.echo(line)
 
-    def error(self, exc: BulletinError) -> int:
+    def error(self, exc: BulletinError | MemoryError) -> int:
         """Print ``exc`` as one line (stderr, or a JSON document on stdout); return the exit status."""
+        exc = as_bulletin_error(exc)
         message = str(exc).replace("\n", " ")
         if self.json:
             click.echo(json.dumps({"error": {"code": exc.code, "type": type(exc).__name__, "message": message}}))

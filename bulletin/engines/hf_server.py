@@ -37,7 +37,7 @@ from bulletin.errors import InvalidInput
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Completion", "CompletionServer", "create_completions_app", "greedy_generate"]
+__all__ = ["Completion", "CompletionServer", "greedy_generate"]
 
 #: The most alternatives ``logprobs`` may ask for (OpenAI's own cap is 5; vLLM allows 20).
 MAX_LOGPROBS: Final = 20
@@ -346,8 +346,3 @@ def _error(status: int, message: str) -> web.Response:
     return web.json_response(
         {"error": {"message": message, "type": kind, "param": None, "code": status}}, status=status
     )
-
-
-def create_completions_app(model: torch.nn.Module, **kwargs: Any) -> web.Application:
-    """Shorthand for ``CompletionServer(model, **kwargs).create_app()``."""
-    return CompletionServer(model, **kwargs).create_app()

@@ -92,7 +92,7 @@ class SGLangTarget(WeightTarget):
 
     # -- the engine ------------------------------------------------------------------------
 
-    def activate(self, version: int) -> None:
+    def activate(self, version: int, *, manifest_digest: str | None = None) -> None:
         """Reload SGLang from the folder now holding ``version``, then commit the folder.
 
         If SGLang refuses, the folder is put back to the version it had committed, which
@@ -103,7 +103,7 @@ class SGLangTarget(WeightTarget):
         except BaseException:
             self.local.abort()
             raise
-        self.local.activate(version)
+        self.local.activate(version, manifest_digest=manifest_digest)
 
     def reload(self, folder: Path, version: int) -> None:
         """``POST /update_weights_from_disk`` with ``folder``; ``EngineError`` unless it succeeded."""

@@ -373,6 +373,8 @@ class TorchTarget(WeightTarget):
         self._prepared: _Prepared | None = None
         self._undo: _Prepared | None = None
         self.version: int | None = None
+        #: SHA-256 of the run manifest of ``version``, kept for this process's lifetime.
+        self.manifest_digest: str | None = None
 
     @classmethod
     def from_module(
@@ -491,9 +493,10 @@ class TorchTarget(WeightTarget):
     def full_fingerprints(self) -> dict[str, int]:
         return {name: slot.fingerprint() for name, slot in self._slots.items()}
 
-    def activate(self, version: int) -> None:
+    def activate(self, version: int, *, manifest_digest: str | None = None) -> None:
         self._undo = self._prepared = None
         self.version = version
+        self.manifest_digest = manifest_digest
         if self._on_activate is not None:
             self._on_activate(version)
 

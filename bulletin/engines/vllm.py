@@ -366,13 +366,13 @@ class VLLMTarget(WeightTarget):
             return {}
         return self._fingerprints(specs)
 
-    def activate(self, version: int) -> None:
+    def activate(self, version: int, *, manifest_digest: str | None = None) -> None:
         try:
             self.call("activate", {"version": version})
         except BaseException:
             self.abort()  # workers and folder back on the version the engine reported
             raise
-        self.local.activate(version)
+        self.local.activate(version, manifest_digest=manifest_digest)
 
     def close(self) -> None:
         self.local.close()

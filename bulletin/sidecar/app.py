@@ -78,9 +78,14 @@ class SidecarConfig:
     read_timeout: float | None = None
     """Longest silence from the engine inside a response (None: generations take what they take)."""
     max_request_bytes: int = 64 << 20
+    verify_interval: float = 3600.0
+    """Seconds between full re-hashes of the bits the engine serves against their version
+    (also run once at start, before the first sync); damaged bits are rebuilt from a
+    keyframe. The check reads the whole model on the follow thread: requests are served
+    meanwhile, syncs wait for it. 0 turns it off, at start too."""
 
     def __post_init__(self) -> None:
-        for name in ("default_wait", "max_wait", "poll_interval", "eager_interval", "max_backoff"):
+        for name in ("default_wait", "max_wait", "poll_interval", "eager_interval", "max_backoff", "verify_interval"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
                 raise ConfigError(f"{name} must be a finite number >= 0, got {value!r}")
@@ -173,6 +178,7 @@ class Sidecar:
             poll_interval=self.config.poll_interval,
             eager_interval=self.config.eager_interval,
             max_backoff=self.config.max_backoff,
+            verify_interval=self.config.verify_interval,
         )
         self.gate.set_active(self.subscriber.current_version)
         self.worker.start()
@@ -222,8 +228,21 @@ class Sidecar:
             "waiting": self.gate.waiting,
             "last_sync_ok": bool(status.healthy) if status else None,
             "last_error": None,
+            "verifying": status.verifying if status else False,
+            "last_verify": None,
             "uptime_s": round(time.time() - self._started, 3),
         }
+        checked = status.last_verify if status else None
+        if checked is not None:
+            body["last_verify"] = {
+                "version": checked.version,
+                "ok": checked.ok,
+                "mismatched": list(checked.mismatched),
+                "seconds": round(checked.seconds, 3),
+                "at": checked.checked_at,
+                "repaired_to": checked.repaired_to,
+                "repair_error": checked.repair_error,
+            }
         if status is not None and status.last_error_code is not None:
             body["last_error"] = {
                 "code": status.last_error_code,

@@ -91,6 +91,20 @@ def _configure_logging(json_logs: bool, level: str) -> None:
     show_default=True,
     help="Seconds an activation waits for requests in flight before it goes ahead.",
 )
+@click.option(
+    "--verify-interval",
+    type=click.FloatRange(min=0),
+    default=3600.0,
+    show_default=True,
+    help="Seconds between full re-hashes of the served bits (also once at start); damaged bits are "
+    "rebuilt from a keyframe. 0: never.",
+)
+@click.option(
+    "--allow-reset",
+    is_flag=True,
+    help="Follow the run if it is rolled back or rewritten; without it such a run is refused and "
+    "the version held keeps serving.",
+)
 @click.option("--engine-timeout", type=click.FloatRange(min=1), default=600.0, show_default=True)
 @click.option("--wait-for-engine", type=click.FloatRange(min=0), default=300.0, show_default=True)
 @click.option("--model-config", type=click.Path(exists=True, path_type=Path), help="HF config (--engine torch).")
@@ -114,6 +128,8 @@ def serve(
     default_wait: float,
     max_wait: float,
     drain_timeout: float,
+    verify_interval: float,
+    allow_reset: bool,
     engine_timeout: float,
     wait_for_engine: float,
     model_config: Path | None,
@@ -136,6 +152,7 @@ def serve(
         max_wait=max_wait,
         poll_interval=poll_interval,
         drain_timeout=drain_timeout,
+        verify_interval=verify_interval,
     )
     torch = None
     if engine == "torch" and model_config is not None:
@@ -159,5 +176,6 @@ def serve(
         config=config,
         engine_timeout=engine_timeout,
         wait_for_engine=wait_for_engine,
+        allow_reset=allow_reset,
     )
     build_sidecar(settings).run()

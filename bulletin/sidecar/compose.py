@@ -93,6 +93,10 @@ class SidecarSettings:
     """Longest one engine call may take (SGLang's reload, a vLLM RPC), in seconds."""
     wait_for_engine: float = 300.0
     """How long to wait at start for the engine's ``/health`` (``sglang``, ``vllm``), in seconds."""
+    allow_reset: bool = False
+    """Follow the run if it is rolled back or rewritten (the engine may move to an older
+    version or another chain); without it the sidecar keeps serving what it holds and
+    reports ``run_rewound`` / ``chain_mismatch`` as its last error."""
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -294,7 +298,13 @@ def build_sidecar(settings: SidecarSettings) -> SidecarStack:
     engine = ENGINES[settings.engine](settings)
     try:
         target = GatedTarget(engine.target, metrics, in_place=engine.in_place)
-        subscriber = Subscriber(settings.store, settings.run, target=target, on_bytes=metrics.bytes_downloaded.inc)
+        subscriber = Subscriber(
+            settings.store,
+            settings.run,
+            target=target,
+            on_bytes=metrics.bytes_downloaded.inc,
+            allow_reset=settings.allow_reset,
+        )
         try:
             sidecar = Sidecar(
                 subscriber,

@@ -240,6 +240,15 @@ class ActivationGate:
         self._writer_active = False
         self.set_active(version)
 
+    def withdraw(self) -> None:
+        """Serve no version until one is active again: the bits held were found damaged.
+
+        Requests already admitted keep their leases; new ones wait (or are refused
+        ``not_ready``) as on a node that holds nothing, until a repair publishes a
+        verified version through :meth:`set_active` or :meth:`release_exclusive`.
+        """
+        self._active = None
+
     def set_active(self, version: int | None) -> None:
         """Record ``version`` as active (no-op for ``None``) and admit who it satisfies.
 

@@ -296,5 +296,23 @@ class SidecarMetrics:
                 "Time requests waited for their version or for an activation to finish.",
             )
         )
+        self.verifications = r.register(
+            Counter(
+                "bulletin_verifications_total",
+                "Full re-hashes of the bits held against their version's fingerprints, by result "
+                "(ok, damaged, failed).",
+                ["result"],
+            )
+        )
+        self.repairs = r.register(
+            Counter("bulletin_repairs_total", "Damaged bits found by a verification and rebuilt from a keyframe.")
+        )
+        self.verify_seconds = r.register(
+            Histogram(
+                "bulletin_verify_seconds",
+                "Time one verification spent re-hashing the bits held.",
+                buckets=(0.01, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0),
+            )
+        )
         self.in_flight.set(0)
         self.ready.set(0)

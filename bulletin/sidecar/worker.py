@@ -5,7 +5,15 @@ thread. It polls the head (a conditional GET) every ``poll_interval`` seconds, o
 ``eager_interval`` while a request is waiting for a version newer than the active
 one, and syncs to the head, or first to the lowest exact version a request is
 waiting for. Failures are recorded (metrics, ``/version``, ``/readyz``) and retried
-with exponential backoff; the last verified version keeps serving.
+with exponential backoff; the last verified version keeps serving. A head that went
+back (or names the held version with another manifest) makes it sync to the run's tip,
+which the Subscriber refuses (``RunRewound`` / ``ChainMismatch``, recorded as a
+failure) unless it was made with ``allow_reset``.
+
+Every ``verify_interval`` seconds, and once before the first poll, the worker re-hashes
+the bits held (:meth:`bulletin.subscriber.Subscriber.verify`) on its own thread: requests
+are served meanwhile, syncs wait. Damaged bits are rebuilt from a keyframe route at
+once; the result is in the metrics and in ``/version`` (``last_verify``).
 
 :class:`GatedTarget` wraps the engine's :class:`~bulletin.target.WeightTarget`. While
 the live weights change (``load_full`` / ``apply`` of an in-place target, ``activate``
@@ -18,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -35,6 +44,7 @@ from bulletin.sidecar.requirements import VersionRequirement
 from bulletin.target import Held, WeightTarget
 
 if TYPE_CHECKING:
+    from bulletin.subscriber import VerifyReport
     from patcher.patch import Patch, TensorSpec
 
 __all__ = ["GateBridge", "GatedTarget", "SubscriberLike", "SyncStatus", "SyncWorker"]
@@ -53,7 +63,11 @@ class SubscriberLike(Protocol):
 
     def head_version(self) -> int | None: ...
 
+    def head_diverged(self) -> bool: ...
+
     def sync(self, version: int | None = None) -> int: ...
+
+    def verify(self, *, repair: bool = True, on_damage: Callable[[], None] | None = None) -> VerifyReport: ...
 
     def close(self) -> None: ...
 
@@ -116,6 +130,10 @@ class GateBridge:
 
     def set_active(self, version: int | None) -> None:
         self._call(self.gate.set_active, version)
+
+    def withdraw(self) -> None:
+        """Stop serving the version held (its bits were found damaged); waits for the loop."""
+        self._call(lambda _: self.gate.withdraw(), None)
 
     def _call(self, fn: Callable[[int | None], None], version: int | None) -> None:
         """Run ``fn(version)`` on the loop and wait for it; never raises (it runs in
@@ -198,9 +216,9 @@ class GatedTarget(WeightTarget):
     def full_fingerprints(self) -> dict[str, int]:
         return self.inner.full_fingerprints()
 
-    def activate(self, version: int) -> None:
+    def activate(self, version: int, *, manifest_digest: str | None = None) -> None:
         self._hold()
-        self.inner.activate(version)
+        self.inner.activate(version, manifest_digest=manifest_digest)
         if self.bridge is not None:
             self.bridge.release(version)
 
@@ -226,6 +244,10 @@ class SyncStatus:
     last_error: str | None
     last_error_at: float | None
     consecutive_failures: int
+    last_verify: VerifyReport | None = None
+    """The last verification that hashed something (None before the first)."""
+    verifying: bool = False
+    """A verification is re-hashing the bits held now."""
 
     @property
     def lag(self) -> int | None:
@@ -252,6 +274,7 @@ class SyncWorker:
         poll_interval: float = 1.0,
         eager_interval: float = 0.05,
         max_backoff: float = 30.0,
+        verify_interval: float = 0.0,
     ) -> None:
         self.subscriber = subscriber
         self.metrics = metrics
@@ -260,6 +283,8 @@ class SyncWorker:
         self.poll_interval = poll_interval
         self.eager_interval = eager_interval
         self.max_backoff = max_backoff
+        #: Seconds between verifications of the bits held (0: never, not even at start).
+        self.verify_interval = verify_interval
         self.stop_event = stop or threading.Event()
         self._wake = threading.Event()
         self._lock = threading.Lock()
@@ -270,6 +295,8 @@ class SyncWorker:
         self._last_ok: float | None = None
         self._error: tuple[str, str, float] | None = None
         self._failures = 0
+        self._last_verify: VerifyReport | None = None
+        self._verifying = False
         self._thread: threading.Thread | None = None
 
     # -- control ---------------------------------------------------------------------------
@@ -309,6 +336,8 @@ class SyncWorker:
                 last_error=error[1] if error else None,
                 last_error_at=error[2] if error else None,
                 consecutive_failures=self._failures,
+                last_verify=self._last_verify,
+                verifying=self._verifying,
             )
 
     # -- the loop --------------------------------------------------------------------------
@@ -324,13 +353,21 @@ class SyncWorker:
 
     def _run(self) -> None:
         next_due = time.monotonic()
+        # The first verification comes before the first poll: no patch lands on bad bits.
+        next_verify = time.monotonic() if self.verify_interval > 0 else math.inf
         while not self.stop_event.is_set():
             now = time.monotonic()
+            if now >= next_verify:
+                self.verify_step()
+                next_verify = time.monotonic() + self.verify_interval
+                continue
             if now < next_due:
-                self._wake.wait(next_due - now)
+                woken = self._wake.wait(min(next_due, next_verify) - now)
                 self._wake.clear()
                 if self.stop_event.is_set():
                     break
+                if not woken:
+                    continue  # a poll or a verification is due: look again
                 with self._lock:
                     failing = self._failures > 0
                 # A demand wakes us early unless we are backing off after failures.
@@ -338,6 +375,40 @@ class SyncWorker:
                     continue
             self.step()
             next_due = time.monotonic() + self.interval()
+
+    def verify_step(self) -> VerifyReport | None:
+        """One verification of the bits held, repaired from a keyframe if damaged; never raises."""
+        with self._lock:
+            self._verifying = True
+        report: VerifyReport | None = None
+        try:
+            # Damaged bits are never served: the gate withdraws the version before the
+            # repair starts, and the repair's activation publishes the verified one.
+            report = self.subscriber.verify(on_damage=self.bridge.withdraw if self.bridge is not None else None)
+        except Exception as exc:  # the target could not be read (an engine down, a bug)
+            self.metrics.verifications.inc(1, "failed")
+            if isinstance(exc, BulletinError):
+                log.warning("verification failed (%s): %s", exc.code, exc)
+            else:
+                log.exception("verification failed unexpectedly")
+            return None
+        finally:
+            with self._lock:
+                self._verifying = False
+                if report is not None and report.version is not None:
+                    self._last_verify = report
+            self._settle(self._head)
+        if report.version is None:
+            return report  # nothing held yet: nothing was hashed
+        self.metrics.verify_seconds.observe(report.seconds)
+        self.metrics.verifications.inc(1, "ok" if report.ok else "damaged")
+        if report.repaired_to is not None:
+            self.metrics.repairs.inc()
+        if report.repair_error_code is not None:
+            self._record_failure(report.repair_error_code, f"repair of damaged bits: {report.repair_error}")
+        elif not report.ok:
+            self._succeeded()
+        return report
 
     def step(self) -> None:
         """One poll, and a sync if the head moved; never raises."""
@@ -355,34 +426,44 @@ class SyncWorker:
         current = self.subscriber.current_version
         target = self._choose(head, current)
         self._publish_gauges(head, current)
-        if target is None:
+        # The head went back, or names the held version with another manifest: sync to the
+        # tip, which refuses a rolled-back or rewritten run unless allow_reset follows it.
+        to_tip = target is None and self.subscriber.head_diverged()
+        if target is None and not to_tip:
             self._succeeded()
             return
+        during = f"sync to version {target}" if target is not None else f"sync to the run's tip (head {head})"
         with self._lock:
-            self._syncing_to = target
+            self._syncing_to = target if target is not None else head
         started = time.perf_counter()
         try:
-            self.subscriber.sync(target)
+            reached = self.subscriber.sync(target)
         except BulletinError as exc:
-            self._failed(exc, during=f"sync to version {target}")
+            self._failed(exc, during=during)
         except Exception as exc:
-            log.exception("sync to version %d failed unexpectedly", target)
-            self._failed(exc, during=f"sync to version {target}")
+            log.exception("%s failed unexpectedly", during)
+            self._failed(exc, during=during)
         else:
-            self.metrics.syncs.inc()
-            self.metrics.sync_seconds.observe(time.perf_counter() - started)
             self._succeeded()
-            log.info("version %s active", self.subscriber.current_version)
+            if not to_tip or reached != current:
+                self.metrics.syncs.inc()
+                self.metrics.sync_seconds.observe(time.perf_counter() - started)
+                log.info("version %s active", self.subscriber.current_version)
         finally:
             with self._lock:
                 self._syncing_to = None
-            if self.target is not None:
-                self.target.finish()
-            # Targets without a gate wrapper (or a keyframe activated before a failure)
-            # still have to tell the gate which verified version is live.
-            if self.bridge is not None:
-                self.bridge.set_active(self.subscriber.current_version)
-            self._publish_gauges(head, self.subscriber.current_version)
+            self._settle(head)
+
+    def _settle(self, head: int | None) -> None:
+        """After anything that may have changed the target: release the gate if a failure
+        left it held, and tell it (and the gauges) which verified version is live."""
+        if self.target is not None:
+            self.target.finish()
+        # Targets without a gate wrapper (or a keyframe activated before a failure)
+        # still have to tell the gate which verified version is live.
+        if self.bridge is not None:
+            self.bridge.set_active(self.subscriber.current_version)
+        self._publish_gauges(head, self.subscriber.current_version)
 
     def _choose(self, head: int | None, current: int | None) -> int | None:
         if head is None or (current is not None and head <= current):
@@ -414,10 +495,12 @@ class SyncWorker:
 
     def _failed(self, exc: Exception, *, during: str) -> None:
         code = exc.code if isinstance(exc, BulletinError) else "internal_error"
-        message = f"{during}: {exc}"
+        self._record_failure(code, f"{during}: {exc}")
+
+    def _record_failure(self, code: str, message: str) -> None:
         with self._lock:
             self._failures += 1
             self._error = (code, message, time.time())
         self.metrics.sync_failures.inc(1, code)
         self.metrics.last_sync_ok.set(0)
-        log.warning("%s failed (%s): %s", during, code, exc)
+        log.warning("failed (%s): %s", code, message)

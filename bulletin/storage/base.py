@@ -1,7 +1,8 @@
 """The storage protocol: bytes in, bytes out, with a version token (ETag).
 
 Every object in a Bulletin bucket is immutable except the head pointer, so the
-protocol needs only whole-object reads and writes plus two conditional writes:
+protocol needs only whole-object reads (bounded by ``max_bytes`` where the reader
+knows how large the object may be) and writes, plus two conditional writes:
 
 - ``put_if_absent`` (create-only, HTTP ``If-None-Match: *``): of any number of
   concurrent writers of one key, exactly one gets ``Updated``.
@@ -11,6 +12,7 @@ protocol needs only whole-object reads and writes plus two conditional writes:
 A lost race is an ordinary return value (``Conflicted``), never an exception.
 Everything else that goes wrong is raised from :mod:`bulletin.errors`:
 ``NotFound`` for a missing key, ``InvalidInput`` for a bad key or argument,
+``ObjectTooLarge`` for an object over a read's ``max_bytes``,
 ``AccessDenied`` / ``StorageUnavailable`` for the store itself, ``ConfigError``
 for a bad URL. Backends translate their own exceptions at this boundary only.
 
@@ -97,15 +99,24 @@ class Store(Protocol):
         """
         ...
 
-    def get(self, key: str) -> ObjectData:
-        """The object's bytes and ETag; ``NotFound`` if absent."""
+    def get(self, key: str, *, max_bytes: int | None = None) -> ObjectData:
+        """The object's bytes and ETag; ``NotFound`` if absent.
+
+        ``max_bytes`` bounds the read: an object larger than that is ``ObjectTooLarge``,
+        found from its size before its bytes are read (the local store's ``fstat``, the
+        ``Content-Length`` of S3's response), and a body that turns out longer while
+        streaming in is refused once it passes the bound. In the local store only
+        regular files are objects: anything else a key names (a directory, a FIFO, a
+        device) is ``NotFound``, and is never opened in a way that could block.
+        """
         ...
 
-    def get_if_changed(self, key: str, etag: str | None) -> ObjectData | None:
+    def get_if_changed(self, key: str, etag: str | None, *, max_bytes: int | None = None) -> ObjectData | None:
         """Like :meth:`get`, but ``None`` while the object still carries ``etag``.
 
         On S3 an unchanged object costs one small ``304 Not Modified`` response.
-        ``etag=None`` always reads. ``NotFound`` if absent.
+        ``etag=None`` always reads. ``NotFound`` if absent; ``max_bytes`` as for
+        :meth:`get` (an unchanged object is ``None`` whatever its size).
         """
         ...
 

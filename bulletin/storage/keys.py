@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from bulletin.errors import ConfigError, InvalidInput
+from bulletin.errors import ConfigError, InvalidInput, ObjectTooLarge
 
 __all__ = [
     "MAX_KEY_BYTES",
@@ -16,10 +16,12 @@ __all__ = [
     "check_data",
     "check_etag",
     "check_key",
+    "check_max_bytes",
     "check_prefix",
     "check_start_after",
     "check_store_prefix",
     "join_key",
+    "too_large",
 ]
 
 #: S3's limit on a key, counted in UTF-8 bytes (including a store's own prefix).
@@ -135,6 +137,22 @@ def check_etag(etag: object) -> str:
     if any(ord(c) < 0x20 or ord(c) == 0x7F for c in etag):
         raise InvalidInput(f"etag contains a control character: {etag!r}")
     return etag
+
+
+def check_max_bytes(max_bytes: object) -> int | None:
+    """Return the bound of a bounded read (``None``: unbounded, or an int ``>= 0``)."""
+    if max_bytes is None:
+        return None
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+        raise InvalidInput(f"max_bytes must be None or an int >= 0, got {max_bytes!r}")
+    return max_bytes
+
+
+def too_large(where: str, size: int | None, max_bytes: int) -> ObjectTooLarge:
+    """The error of a bounded read that found an object of ``size`` bytes (None: unknown,
+    it only showed while reading) larger than ``max_bytes``."""
+    found = "more bytes" if size is None else f"{size} bytes"
+    return ObjectTooLarge(f"{where}: {found} where at most {max_bytes} are allowed (refused unread)")
 
 
 def check_store_prefix(prefix: str) -> str:

@@ -58,8 +58,10 @@ from bulletin.storage.keys import (
     check_data,
     check_etag,
     check_key,
+    check_max_bytes,
     check_prefix,
     check_start_after,
+    too_large,
 )
 
 __all__ = ["LocalStore"]
@@ -177,8 +179,22 @@ class LocalStore(StoreBase):
     # -- reads ------------------------------------------------------------------------
 
     def _open_object(self, key: str, path: str) -> int:
+        """A read-only descriptor of the regular file ``path``; ``NotFound`` for anything else.
+
+        Nothing but a regular file is opened for reading: ``lstat`` first (a directory
+        is a prefix of other keys; a symlink, FIFO, socket or device is no object this
+        store wrote), then ``O_NONBLOCK`` so that even a FIFO swapped in between cannot
+        block the open, ``O_NOFOLLOW`` against a symlink swapped in, and ``fstat`` on the
+        descriptor to be sure of what was opened.
+        """
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | _O_CLOEXEC)
+            st = os.lstat(path)
+        except (FileNotFoundError, NotADirectoryError):
+            raise NotFound(f"{self.url}: no object {key!r}") from None
+        if not stat_mod.S_ISREG(st.st_mode):
+            raise NotFound(f"{self.url}: no object {key!r}")
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | _O_CLOEXEC)
         except (FileNotFoundError, NotADirectoryError):
             raise NotFound(f"{self.url}: no object {key!r}") from None
         except OSError as exc:
@@ -187,15 +203,17 @@ class LocalStore(StoreBase):
             raise
         try:
             is_file = stat_mod.S_ISREG(os.fstat(fd).st_mode)
+            if is_file:  # blocking reads again (regular files ignore the flag on Linux)
+                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
         except BaseException:
             os.close(fd)
             raise
-        if not is_file:  # a directory is a prefix of other keys, not an object
+        if not is_file:
             os.close(fd)
             raise NotFound(f"{self.url}: no object {key!r}")
         return fd
 
-    def _read(self, key: str, if_changed_from: str | None) -> ObjectData | None:
+    def _read(self, key: str, if_changed_from: str | None, max_bytes: int | None) -> ObjectData | None:
         self._check_open()
         _, path = self._path(key)
         with self._os_errors(key):
@@ -203,21 +221,32 @@ class LocalStore(StoreBase):
             # Files are never modified in place, so the descriptor's stat describes
             # exactly the bytes read through it.
             with open(fd, "rb", closefd=True) as f:
-                etag = _etag(os.fstat(fd))
+                st = os.fstat(fd)
+                etag = _etag(st)
                 if etag == if_changed_from:
                     return None
-                return ObjectData(f.read(), etag)
+                if max_bytes is None:
+                    return ObjectData(f.read(), etag)
+                if st.st_size > max_bytes:
+                    raise too_large(f"{self.url}: {key!r}", st.st_size, max_bytes)
+                # One byte more than the size, so that a file grown since (not by this
+                # store) is refused rather than cut short; never more than the bound.
+                # (A buffered read of n bytes is one allocation, filled in a loop.)
+                data = f.read(min(st.st_size, max_bytes) + 1)
+                if len(data) > max_bytes:
+                    raise too_large(f"{self.url}: {key!r}", None, max_bytes)
+                return ObjectData(data, etag)
 
-    def get(self, key: str) -> ObjectData:
-        """The object's bytes and ETag; ``NotFound`` if absent."""
-        data = self._read(key, None)
+    def get(self, key: str, *, max_bytes: int | None = None) -> ObjectData:
+        """The object's bytes and ETag; ``NotFound`` if absent, ``ObjectTooLarge`` over ``max_bytes``."""
+        data = self._read(key, None, check_max_bytes(max_bytes))
         if data is None:  # unreachable: no ETag to match was given
             raise NotFound(f"{self.url}: no object {key!r}")
         return data
 
-    def get_if_changed(self, key: str, etag: str | None) -> ObjectData | None:
+    def get_if_changed(self, key: str, etag: str | None, *, max_bytes: int | None = None) -> ObjectData | None:
         """The object unless it still carries ``etag`` (then ``None``); ``NotFound`` if absent."""
-        return self._read(key, None if etag is None else check_etag(etag))
+        return self._read(key, None if etag is None else check_etag(etag), check_max_bytes(max_bytes))
 
     def stat(self, key: str) -> ObjectInfo:
         """Size, ETag and modification time; ``NotFound`` if absent."""

@@ -28,10 +28,12 @@ from bulletin.storage.base import (
 from bulletin.storage.keys import (
     check_data,
     check_etag,
+    check_max_bytes,
     check_prefix,
     check_start_after,
     check_store_prefix,
     join_key,
+    too_large,
 )
 
 __all__ = ["MemoryStore", "drop_memory_bucket"]
@@ -113,17 +115,24 @@ class MemoryStore(StoreBase):
             raise NotFound(f"{self.url}: no object {key!r}")
         return entry
 
-    def get(self, key: str) -> ObjectData:
-        """The object's bytes and ETag; ``NotFound`` if absent."""
-        entry = self._entry(key)
-        return ObjectData(entry.data, entry.etag)
+    def get(self, key: str, *, max_bytes: int | None = None) -> ObjectData:
+        """The object's bytes and ETag; ``NotFound`` if absent, ``ObjectTooLarge`` over ``max_bytes``."""
+        data = self._read(key, None, check_max_bytes(max_bytes))
+        if data is None:  # unreachable: no ETag to match was given
+            raise NotFound(f"{self.url}: no object {key!r}")
+        return data
 
-    def get_if_changed(self, key: str, etag: str | None) -> ObjectData | None:
+    def get_if_changed(self, key: str, etag: str | None, *, max_bytes: int | None = None) -> ObjectData | None:
         """The object unless it still carries ``etag`` (then ``None``); ``NotFound`` if absent."""
-        if etag is not None:
-            check_etag(etag)
-        data = self.get(key)
-        return None if data.etag == etag else data
+        return self._read(key, None if etag is None else check_etag(etag), check_max_bytes(max_bytes))
+
+    def _read(self, key: str, etag: str | None, max_bytes: int | None) -> ObjectData | None:
+        entry = self._entry(key)
+        if etag is not None and entry.etag == etag:
+            return None
+        if max_bytes is not None and len(entry.data) > max_bytes:
+            raise too_large(f"{self.url}: {key!r}", len(entry.data), max_bytes)
+        return ObjectData(entry.data, entry.etag)
 
     def stat(self, key: str) -> ObjectInfo:
         """Size, ETag and modification time; ``NotFound`` if absent."""

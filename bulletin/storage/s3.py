@@ -59,10 +59,12 @@ from bulletin.storage.base import (
 from bulletin.storage.keys import (
     check_data,
     check_etag,
+    check_max_bytes,
     check_prefix,
     check_start_after,
     check_store_prefix,
     join_key,
+    too_large,
 )
 
 if TYPE_CHECKING:
@@ -101,6 +103,9 @@ _CONDITIONAL_CONFLICT: Final = "ConditionalRequestConflict"
 
 #: Errors raised while a response body streams in, after botocore's retries are over.
 _STREAM_ERRORS: Final = (bx.BotoCoreError, Urllib3HTTPError, OSError)
+
+#: Bytes per read of a body that came without a ``Content-Length`` (bounded reads only).
+_CHUNK: Final = 1 << 20
 
 _T = TypeVar("_T")
 
@@ -379,7 +384,7 @@ class S3Store(StoreBase):
 
     # -- reads ------------------------------------------------------------------------
 
-    def _get(self, key: str, if_none_match: str | None) -> ObjectData | None:
+    def _get(self, key: str, if_none_match: str | None, max_bytes: int | None) -> ObjectData | None:
         self._check_open()
         full = join_key(self._prefix, key)
         context = self._where(key)
@@ -396,7 +401,7 @@ class S3Store(StoreBase):
                 raise self._error(exc, context) from exc
             try:
                 with response["Body"] as body:
-                    data = body.read()
+                    data = self._body(body, response.get("ContentLength"), max_bytes, context)
             except _STREAM_ERRORS as exc:
                 if attempt >= self._max_attempts:
                     raise translate_error(exc, f"{context}: reading the body") from exc
@@ -405,16 +410,36 @@ class S3Store(StoreBase):
                 continue
             return ObjectData(data, response["ETag"])
 
-    def get(self, key: str) -> ObjectData:
-        """The object's bytes and ETag; ``NotFound`` if absent."""
-        data = self._get(key, None)
+    @staticmethod
+    def _body(body: Any, length: object, max_bytes: int | None, context: str) -> bytes:
+        """The response body, refused unread (leaving the body to ``close``, which drops the
+        connection) when its ``Content-Length`` is over ``max_bytes``, and read in chunks up
+        to the bound when the server sent no length."""
+        if max_bytes is None:
+            return bytes(body.read())
+        if isinstance(length, int) and not isinstance(length, bool):
+            if length > max_bytes:
+                raise too_large(context, length, max_bytes)
+            return bytes(body.read())  # the transport never reads past Content-Length
+        chunks: list[bytes] = []
+        total = 0
+        while chunk := body.read(min(_CHUNK, max_bytes + 1 - total)):
+            chunks.append(chunk)
+            total += len(chunk)
+            if total > max_bytes:
+                raise too_large(context, None, max_bytes)
+        return b"".join(chunks)
+
+    def get(self, key: str, *, max_bytes: int | None = None) -> ObjectData:
+        """The object's bytes and ETag; ``NotFound`` if absent, ``ObjectTooLarge`` over ``max_bytes``."""
+        data = self._get(key, None, check_max_bytes(max_bytes))
         if data is None:  # only a conditional GET answers 304
             raise StorageUnavailable(f"{self._where(key)}: unexpected 304 Not Modified")
         return data
 
-    def get_if_changed(self, key: str, etag: str | None) -> ObjectData | None:
+    def get_if_changed(self, key: str, etag: str | None, *, max_bytes: int | None = None) -> ObjectData | None:
         """The object unless it still carries ``etag`` (then ``None``, one 304); ``NotFound`` if absent."""
-        return self._get(key, None if etag is None else check_etag(etag))
+        return self._get(key, None if etag is None else check_etag(etag), check_max_bytes(max_bytes))
 
     def _head(self, key: str, full: str) -> dict[str, Any] | None:
         """``HeadObject``'s answer, or ``None`` if the key is absent."""

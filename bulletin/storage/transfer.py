@@ -14,7 +14,7 @@ from typing import Final, TypeVar
 
 from bulletin.errors import InvalidInput
 from bulletin.storage.base import Store, WriteResult
-from bulletin.storage.keys import check_data, check_key
+from bulletin.storage.keys import check_data, check_key, check_max_bytes
 
 __all__ = ["DEFAULT_WORKERS", "get_many", "put_many_if_absent"]
 
@@ -55,17 +55,22 @@ def get_many(
     *,
     max_workers: int = DEFAULT_WORKERS,
     on_bytes: Callable[[int], None] | None = None,
+    max_bytes: int | Mapping[str, int] | None = None,
 ) -> dict[str, bytes]:
     """Read every key in parallel: ``{key: bytes}``.
 
-    Duplicate keys are read once. The first error (``NotFound`` for a missing key,
-    ``StorageUnavailable``, ...) is raised after in-flight reads end; reads not yet
-    started are cancelled. ``on_bytes(n)`` is called on this thread after each read.
+    Duplicate keys are read once. ``max_bytes`` bounds each read (one bound for all,
+    or one per key: every key then needs one), so an object larger than its bound is
+    ``ObjectTooLarge`` without being read. The first error (``NotFound`` for a missing
+    key, ``ObjectTooLarge``, ``StorageUnavailable``, ...) is raised after in-flight reads
+    end; reads not yet started are cancelled. ``on_bytes(n)`` is called on this thread
+    after each read.
     """
     workers = _check_workers(max_workers)
     if isinstance(keys, str):  # a str is a Sequence[str] of characters: surely a mistake
         raise InvalidInput("keys must be a sequence of keys, not a single str")
     unique = list(dict.fromkeys(check_key(k) for k in keys))
+    bounds = _bounds(unique, max_bytes)
     if not unique:
         return {}
     result: dict[str, bytes] = {}
@@ -76,10 +81,26 @@ def get_many(
             on_bytes(len(data))
 
     def reader(key: str) -> Callable[[], bytes]:
-        return lambda: store.get(key).data
+        bound = bounds[key]
+        if bound is None:
+            return lambda: store.get(key).data
+        return lambda: store.get(key, max_bytes=bound).data
 
     _run(((k, reader(k)) for k in unique), min(workers, len(unique)), done)
     return {k: result[k] for k in unique}
+
+
+def _bounds(keys: Sequence[str], max_bytes: int | Mapping[str, int] | None) -> dict[str, int | None]:
+    """Each key's read bound, checked before anything is read."""
+    if max_bytes is None or isinstance(max_bytes, int):
+        bound = check_max_bytes(max_bytes)
+        return dict.fromkeys(keys, bound)
+    if not isinstance(max_bytes, Mapping):
+        raise InvalidInput(f"max_bytes must be None, an int or a mapping of keys to ints, got {max_bytes!r}")
+    missing = [k for k in keys if k not in max_bytes]
+    if missing:
+        raise InvalidInput(f"max_bytes has no bound for {missing[0]!r}")
+    return {k: check_max_bytes(max_bytes[k]) for k in keys}
 
 
 def put_many_if_absent(

@@ -30,11 +30,11 @@ class WrapperStore:
         """The wrapped store's URL (opening it gives the store without the wrapper)."""
         return self.inner.url
 
-    def get(self, key: str) -> ObjectData:
-        return self.inner.get(key)
+    def get(self, key: str, *, max_bytes: int | None = None) -> ObjectData:
+        return self.inner.get(key, max_bytes=max_bytes)
 
-    def get_if_changed(self, key: str, etag: str | None) -> ObjectData | None:
-        return self.inner.get_if_changed(key, etag)
+    def get_if_changed(self, key: str, etag: str | None, *, max_bytes: int | None = None) -> ObjectData | None:
+        return self.inner.get_if_changed(key, etag, max_bytes=max_bytes)
 
     def stat(self, key: str) -> ObjectInfo:
         return self.inner.stat(key)
@@ -95,15 +95,15 @@ class CountingStore(WrapperStore):
             self._requests = self._up = self._down = 0
         return seen
 
-    def get(self, key: str) -> ObjectData:
+    def get(self, key: str, *, max_bytes: int | None = None) -> ObjectData:
         self._count()
-        obj = super().get(key)
+        obj = super().get(key, max_bytes=max_bytes)
         self._received(obj)
         return obj
 
-    def get_if_changed(self, key: str, etag: str | None) -> ObjectData | None:
+    def get_if_changed(self, key: str, etag: str | None, *, max_bytes: int | None = None) -> ObjectData | None:
         self._count()
-        obj = super().get_if_changed(key, etag)
+        obj = super().get_if_changed(key, etag, max_bytes=max_bytes)
         self._received(obj)
         return obj
 

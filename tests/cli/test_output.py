@@ -91,9 +91,7 @@ def test_starting_the_command_does_not_load_the_server_stack(tmp_path: Path) -> 
         print("RESULT", codes, loaded)
         """
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", script, str(tmp_path / "bucket")], capture_output=True, text=True, check=False
-    )
+    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stderr
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))
     assert line == "RESULT [0, 0, 0] []", proc.stdout

@@ -8,9 +8,8 @@ import numpy as np
 import pytest
 
 from bulletin.errors import IncompatibleTensors, InvalidInput, VerificationFailed, WrongBase
-from patcher.apply import apply, apply_tensor
+from patcher.apply import apply
 from patcher.diff import diff
-from patcher.fingerprint import fingerprint
 from patcher.patch import Patch, TensorDelta, TensorSpec
 from tests.patcher.helpers import fingerprints, mutate, random_bits
 
@@ -109,22 +108,6 @@ def test_malformed_patch_is_refused_before_anything_changes() -> None:
     with pytest.raises(InvalidInput):
         apply(Patch({**patch.tensors, "c.weight": bad}), held, fingerprints(old))
     assert _snapshot(held) == before
-
-
-def test_apply_tensor_any_shape_and_dtype_of_the_width() -> None:
-    spec = TensorSpec("x", "F32", (3, 4))
-    old = np.arange(12, dtype=np.float32).reshape(3, 4)
-    new = old.copy()
-    new[2, 1] = np.nan
-    new[0, 0] = -0.0
-    td = diff({"x": spec}, {"x": old}, {"x": new}).tensors["x"]
-    held = old.copy()
-    assert apply_tensor(held.view(np.uint32), td) == fingerprint(new.view(np.uint32))
-    assert held.tobytes() == new.tobytes()
-    flat = old.copy().reshape(-1).view(np.uint32)  # same element count, other shape
-    assert apply_tensor(flat, td) == td.target_fingerprint
-    with pytest.raises(IncompatibleTensors):
-        apply_tensor(np.zeros(11, np.uint32), td)
 
 
 def test_apply_of_an_empty_patch_changes_nothing() -> None:

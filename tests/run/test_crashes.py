@@ -6,22 +6,26 @@ test_s3_run.py (same scenarios, real S3 conditional writes).
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from bulletin import Publisher, Subscriber
+from bulletin.checkpoint import Checkpoint
 from bulletin.maintenance import verify
 from bulletin.run import Run
 from bulletin.storage import open_store
-from bulletin.target import ArrayTarget, LocalDirTarget
-from patcher.fingerprint import fingerprint
+from bulletin.target import ArrayTarget, LocalDirTarget, read_local_state
+from patcher.fingerprint import fingerprint, parse_fingerprint
 from tests.run.helpers import ToyTrainer, assert_bits_equal
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -109,14 +113,175 @@ def test_node_killed_at_any_instant_recovers_an_exact_version(tmp_path: Path) ->
             time.sleep(float(rng.uniform(0.0, 0.4)))
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
-        target = LocalDirTarget(node, run="run")
+        target = LocalDirTarget(node, run="run")  # the locked open: recovery, the link repaired
         restored = target.restored()
         if restored is None:
+            target.close()
             continue
         version, fps = restored.version, restored.fingerprints
         assert fps == expected[version]
         assert target.full_fingerprints() == expected[version], f"bits on disk are not version {version}"
+        state = read_local_state(node)
+        assert state is not None and os.readlink(node / LocalDirTarget.CURRENT) == state.model_dir
         target.close()
     final = Subscriber(url, "run", node)
     assert final.sync() == 6
     assert final.target.full_fingerprints() == expected[6]
+
+
+# -- a node killed at every step of every route ----------------------------------------------
+#
+# tests/run/crash_node.py forks a node per trial that dies just before the k-th call that
+# changes a file (every k of the route, in order) or at a random instant. After each
+# death a locked open (what any next writer does) must leave the folder on an exact
+# version: `current` resolving to the folder state.json names, holding the bits
+# state.json records (fingerprints recomputed), and nothing else in the folder.
+
+#: name: (version held at the start, None for an empty folder; version synced to)
+ROUTES: dict[str, tuple[int | None, int]] = {
+    "fresh": (None, 5),  # keyframe 4 into an empty folder, then patch 5 in place
+    "keyframe": (1, 4),  # a newer keyframe over a held version (cheaper than its patches)
+    "downgrade": (5, 1),  # an older version: through its keyframe
+    "catch-up": (4, 6),  # patches 5 and 6, folded, applied in place
+    "recovery": (4, 6),  # as catch-up, from a node killed halfway through that apply
+}
+RANDOM_KILLS_PER_ROUTE = 40
+BASE_FILES = {LocalDirTarget.STATE, LocalDirTarget.CURRENT, LocalDirTarget.LOCK}
+
+
+class CrashNode:
+    """The zygote of tests/run/crash_node.py: one trial per request."""
+
+    def __init__(self) -> None:
+        env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.run.crash_node"],
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.proc.stdout is not None and self.proc.stdout.readline().strip() == "ready"
+
+    def trial(self, **request: object) -> dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        answer: dict[str, Any] = json.loads(self.proc.stdout.readline())
+        return answer
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+        self.proc.stdout.close()
+
+
+def publish_crash_run(url: str) -> dict[int, dict[str, int]]:
+    """Versions 1..6, keyframes 1 and 4; 2..4 change every element (so that from 1 the
+    keyframe 4 is cheaper than three patches), 5 and 6 a few percent."""
+    trainer = ToyTrainer(seed=21, shapes={"w": (96, 64), "b": (64,), "e": (128, 48), "n.norm.weight": (64,)})
+    expected = {}
+    with Publisher(url, "run", keyframe_every=3) as pub:
+        for version in range(1, 7):
+            if version > 1:
+                trainer.step(lr=0.05 if version <= 4 else 3e-4)
+            assert pub.publish(trainer.state) == version
+            expected[version] = {n: fingerprint(b) for n, b in trainer.served().items()}
+    return expected
+
+
+def assert_exact_version(node: Path, expected: dict[int, dict[str, int]], allowed: set[int | None], why: str) -> None:
+    """Open ``node`` as the next writer would, then check it holds an exact version."""
+    target = LocalDirTarget(node, run="run")  # the locked open: recovery, the link repaired
+    try:
+        state = read_local_state(node)
+        version = state.version if state else None
+        assert version in allowed, f"{why}: version {version}, expected one of {allowed}"
+        if state is None:
+            assert target.restored() is None
+            assert set(os.listdir(node)) == {LocalDirTarget.LOCK}, f"{why}: left {sorted(os.listdir(node))}"
+            return
+        assert {n: parse_fingerprint(f) for n, f in state.fingerprints.items()} == expected[state.version], why
+        assert os.readlink(node / LocalDirTarget.CURRENT) == state.model_dir, why
+        assert (node / LocalDirTarget.CURRENT).resolve() == (node / state.model_dir).resolve(), why
+        with Checkpoint(node / LocalDirTarget.CURRENT) as ckpt:
+            held = {name: fingerprint(ckpt.bits(name)) for name in ckpt.specs}
+        assert held == expected[state.version], f"{why}: the bits in current/ are not version {state.version}"
+        assert target.full_fingerprints() == expected[state.version], why
+        assert set(os.listdir(node)) == BASE_FILES | {state.model_dir}, f"{why}: left {sorted(os.listdir(node))}"
+    finally:
+        target.close()
+
+
+def fresh_copy(template: Path | None, node: Path) -> None:
+    if node.exists():
+        shutil.rmtree(node)
+    if template is not None:
+        shutil.copytree(template, node, symlinks=True)
+
+
+def test_node_killed_at_every_step_of_every_route_recovers_an_exact_version(tmp_path: Path) -> None:
+    url = str(tmp_path / "bucket")
+    expected = publish_crash_run(url)
+    templates: dict[str, Path | None] = {}
+    for name, (start, _) in ROUTES.items():
+        if start is None or name == "recovery":  # recovery's is made below
+            templates[name] = None
+            continue
+        templates[name] = tmp_path / f"template-{name}"
+        with Subscriber(url, "run", templates[name]) as sub:
+            assert sub.sync(start) == start
+    with Subscriber(url, "run", tmp_path / "probe") as sub:  # the routes are the ones named
+        sub.sync(1)
+        sub.sync(4)
+        assert sub.stats.last_report is not None and sub.stats.last_report.keyframe == 4
+        sub.sync(6)
+        assert sub.stats.last_report is not None and sub.stats.last_report.transitions == 2
+    node = tmp_path / "node"
+    zygote = CrashNode()
+    rng = np.random.default_rng(7)
+    trials = {name: 0 for name in ROUTES}
+    t0 = time.perf_counter()
+    try:
+        # The recovery route starts from a node killed halfway through the catch-up apply.
+        fresh_copy(templates["catch-up"], node)
+        steps = zygote.trial(url=url, node=str(node), version=6)["steps"]
+        fresh_copy(templates["catch-up"], node)
+        half = steps.index("apply: half the changes written")
+        assert zygote.trial(url=url, node=str(node), version=6, kill_at=half)["killed"]
+        assert (node / LocalDirTarget.JOURNAL).exists()
+        templates["recovery"] = tmp_path / "template-recovery"
+        shutil.copytree(node, templates["recovery"], symlinks=True)
+
+        for name, (start, target) in ROUTES.items():
+            allowed = {start, target} | ({4} if name == "fresh" else set())
+            fresh_copy(templates[name], node)
+            counted = zygote.trial(url=url, node=str(node), version=target)
+            assert counted["code"] == 0 and not counted["killed"], name
+            steps = counted["steps"]
+            assert_exact_version(node, expected, {target}, f"{name}, not killed")
+            duration = counted["seconds"]
+            kills: list[dict[str, Any]] = [{"kill_at": k} for k in range(len(steps))]
+            kills += [{"kill_after": float(rng.uniform(0, duration))} for _ in range(RANDOM_KILLS_PER_ROUTE)]
+            for kill in kills:
+                fresh_copy(templates[name], node)
+                answer = zygote.trial(url=url, node=str(node), version=target, **kill)
+                at = f"{name}, killed at step {kill['kill_at']} ({steps[kill['kill_at']]})" if "kill_at" in kill else ""
+                if "kill_at" in kill:
+                    assert answer["killed"] and answer["steps"][-1] == steps[kill["kill_at"]], at
+                else:
+                    at = f"{name}, killed after {kill['kill_after'] * 1000:.2f} ms (at {answer['steps'][-1:]})"
+                assert_exact_version(node, expected, allowed, at)
+                trials[name] += 1
+            # And the node goes on from whatever it was left at (a no-op sync included).
+            with Subscriber(url, "run", node) as sub:
+                assert sub.sync(target) == target
+            assert_exact_version(node, expected, {target}, f"{name}: synced after the kills")
+    finally:
+        zygote.close()
+    elapsed = time.perf_counter() - t0
+    total = sum(trials.values())
+    print(f"{total} killed nodes ({trials}) in {elapsed:.1f}s")
+    assert total >= 200, trials

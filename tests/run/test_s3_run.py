@@ -59,7 +59,7 @@ def test_idle_poll_is_one_small_conditional_request(s3_url: str) -> None:
         pub.publish(_state(0))
     sub = Subscriber(s3_url, "run")
     sub.sync()
-    run = sub.run
+    run = sub.source
     head = run.read_head()
     assert head is not None
     assert len(head.head.model_dump_json()) < 1024

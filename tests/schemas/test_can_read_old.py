@@ -1,7 +1,8 @@
 """Documents written by every format version stay readable (committed golden files).
 
 ``tests/golden/documents/v1`` holds manifests (a keyframe, a patch, a keyframe with a
-patch) and a head written by a real publish with spec_version 1. They are never
+patch) and a head written by a real publish with spec_version 1, and a rollout node's
+``state.json`` as written before it recorded the manifest digest (``local-state.json``). They are never
 regenerated: a reader that stops accepting them, or a writer that would serialise the
 same document differently, fails here.
 """
@@ -14,7 +15,9 @@ import pytest
 
 from bulletin.errors import FormatError, UnsupportedFormatVersion
 from bulletin.run import sha256_hex
+from schemas.common import parse_document
 from schemas.head import parse_head
+from schemas.local_state import LocalStateV1
 from schemas.manifest import parse_manifest
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "documents"
@@ -40,6 +43,15 @@ def test_v1_head_points_at_the_newest_manifest() -> None:
     assert head.version == 3
     assert head.manifest_digest == sha256_hex((GOLDEN / "v1" / "manifest-3.json").read_bytes())
     assert head.model_dump_json().encode() == data
+
+
+def test_v1_local_state_without_a_manifest_digest_stays_readable() -> None:
+    # Written before state.json recorded the manifest digest: it reads as "unknown", and a
+    # Subscriber then checks the chain by the fingerprints it holds instead.
+    state = parse_document(LocalStateV1, (GOLDEN / "v1" / "local-state.json").read_bytes(), source="golden")
+    assert state.run == "golden-run" and state.version == 1
+    assert state.manifest_digest is None
+    assert set(state.fingerprints) == {"b", "w"}
 
 
 def test_unknown_versions_and_other_documents_are_refused() -> None:

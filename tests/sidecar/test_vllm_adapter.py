@@ -187,6 +187,7 @@ def test_sidecar_target_follows_a_run_through_collective_rpc(
     methods = [json.loads(json.dumps(c)) for c in server.calls]
     assert ["POST", "/collective_rpc"] in methods
     # A restarted sidecar recognises that the engine already holds the folder's version.
+    sub.close()  # the folder has one writer at a time
     again = VLLMTarget(LocalDirTarget(tmp_path / "local", run="r"), server.url)
     restored = again.restored()
     assert restored is not None and restored.version == 3

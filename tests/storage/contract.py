@@ -11,13 +11,14 @@ from __future__ import annotations
 import multiprocessing
 import queue
 import threading
+import tracemalloc
 from collections.abc import Callable, Iterator
 from datetime import datetime
 from typing import Any, ClassVar
 
 import pytest
 
-from bulletin.errors import InvalidInput, NotFound
+from bulletin.errors import InvalidInput, NotFound, ObjectTooLarge
 from bulletin.storage import (
     Conflicted,
     ObjectData,
@@ -193,6 +194,47 @@ class StoreContract:
         assert store.get_if_changed("head", second.etag) is None
         assert store.get_if_changed("head", "not-an-etag-of-ours") == ObjectData(b"v2", second.etag)
 
+    # -- bounded reads ----------------------------------------------------------------
+
+    def test_bounded_reads(self, store: Store) -> None:
+        created = store.put_if_absent("obj", b"x" * 100)
+        assert isinstance(created, Updated)
+        for bound in (100, 101, 1 << 40):
+            assert store.get("obj", max_bytes=bound) == ObjectData(b"x" * 100, created.etag)
+            assert store.get_if_changed("obj", None, max_bytes=bound) == ObjectData(b"x" * 100, created.etag)
+        for bound in (99, 0):
+            with pytest.raises(ObjectTooLarge, match="obj"):
+                store.get("obj", max_bytes=bound)
+            with pytest.raises(ObjectTooLarge):
+                store.get_if_changed("obj", "another-etag", max_bytes=bound)
+        # Unchanged is None whatever the size: nothing would be read.
+        assert store.get_if_changed("obj", created.etag, max_bytes=0) is None
+        store.put_if_absent("empty", b"")
+        assert store.get("empty", max_bytes=0).data == b""
+        with pytest.raises(NotFound):
+            store.get("missing", max_bytes=10)
+        with pytest.raises(NotFound):
+            store.get_if_changed("missing", None, max_bytes=10)
+
+    @pytest.mark.parametrize("bound", [-1, True, 1.5, "10"])
+    def test_bad_bounds_rejected(self, store: Store, bound: object) -> None:
+        store.put_if_absent("obj", b"x")
+        with pytest.raises(InvalidInput):
+            store.get("obj", max_bytes=bound)  # type: ignore[arg-type]
+        with pytest.raises(InvalidInput):
+            store.get_if_changed("obj", None, max_bytes=bound)  # type: ignore[arg-type]
+
+    def test_an_object_over_its_bound_is_refused_unread(self, store: Store) -> None:
+        store.put_if_absent("big", bytes(8 << 20))
+        tracemalloc.start()
+        try:
+            with pytest.raises(ObjectTooLarge, match=str(8 << 20)):
+                store.get("big", max_bytes=1 << 20)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert peak < 1 << 20  # not even the bound's worth was read
+
     # -- conditional writes -----------------------------------------------------------
 
     def test_create_only_conflict(self, store: Store) -> None:
@@ -349,6 +391,20 @@ class StoreContract:
         assert sum(received) == sum(len(v) for v in items.values())
         with pytest.raises(NotFound):
             get_many(store, [*keys, "shards/missing"])
+
+    def test_get_many_bounds_each_read(self, store: Store) -> None:
+        items = {f"b/{i}": bytes(i + 1) for i in range(6)}
+        put_many_if_absent(store, items)
+        assert get_many(store, list(items), max_bytes=6) == items
+        assert get_many(store, list(items), max_bytes={k: len(v) for k, v in items.items()}) == items
+        with pytest.raises(ObjectTooLarge, match="b/5"):
+            get_many(store, list(items), max_bytes=5)
+        with pytest.raises(ObjectTooLarge, match="b/2"):
+            get_many(store, list(items), max_bytes={**{k: 10 for k in items}, "b/2": 2})
+        with pytest.raises(InvalidInput, match="no bound"):
+            get_many(store, list(items), max_bytes={"b/0": 1})
+        with pytest.raises(InvalidInput):
+            get_many(store, list(items), max_bytes=-1)
 
     # -- races ------------------------------------------------------------------------
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import socket
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from bulletin.errors import ConfigError, InvalidInput, NotFound
+from bulletin.errors import ConfigError, InvalidInput, NotFound, ObjectTooLarge
 from bulletin.storage import LocalStore, Store, Updated, open_store
 from tests.storage.contract import StoreContract
 
@@ -159,3 +161,64 @@ def test_file_url(tmp_path: Path) -> None:
     store.put_if_absent("k", b"v")
     assert open_store(store.url).get("k").data == b"v"
     assert open_store(tmp_path / "with space").get("k").data == b"v"
+
+
+# -- what is not a regular file, and objects over a read's bound ----------------------------
+
+
+def _get_within(store: LocalStore, key: str, seconds: float = 5.0, **kwargs: int) -> BaseException | bytes:
+    """``store.get(key)`` on a daemon thread: what it returned or raised, or a failure if it
+    still blocks after ``seconds`` (a FIFO opened for reading waits for a writer)."""
+    outcome: list[BaseException | bytes] = []
+
+    def read() -> None:
+        try:
+            outcome.append(store.get(key, **kwargs).data)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        pytest.fail(f"get({key!r}) still blocks after {seconds} s")
+    return outcome[0]
+
+
+def test_a_fifo_where_an_object_was_is_not_found_and_never_blocks(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path / "bucket")
+    store.put_if_absent("dir/obj", b"x")
+    os.unlink(tmp_path / "bucket" / "dir" / "obj")
+    os.mkfifo(tmp_path / "bucket" / "dir" / "obj")
+    assert isinstance(_get_within(store, "dir/obj"), NotFound)
+    assert isinstance(_get_within(store, "dir/obj", max_bytes=10), NotFound)
+    with pytest.raises(NotFound):
+        store.get_if_changed("dir/obj", None)
+    with pytest.raises(NotFound):
+        store.stat("dir/obj")
+    assert [i.key for i in store.list("")] == []
+
+
+def test_sockets_and_symlinks_to_fifos_are_not_objects(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path / "bucket")
+    store.put_if_absent("keep", b"x")
+    root = tmp_path / "bucket"
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(str(root / "sock"))
+        assert isinstance(_get_within(store, "sock"), NotFound)
+    os.mkfifo(tmp_path / "fifo")
+    os.symlink(tmp_path / "fifo", root / "link")
+    assert isinstance(_get_within(store, "link"), NotFound)
+    assert store.get("keep").data == b"x"  # regular files read as before (blocking again)
+
+
+def test_a_huge_sparse_file_is_refused_from_its_size(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path / "bucket")
+    store.put_if_absent("big", b"")
+    with open(tmp_path / "bucket" / "big", "r+b") as f:
+        f.truncate(64 << 30)  # 64 GiB that reading would have to allocate
+    with pytest.raises(ObjectTooLarge, match=str(64 << 30)):
+        store.get("big", max_bytes=1 << 20)
+    with pytest.raises(ObjectTooLarge):
+        store.get_if_changed("big", None, max_bytes=1 << 20)
+    assert store.stat("big").size == 64 << 30

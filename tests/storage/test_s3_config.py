@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ from bulletin.errors import (
     ConfigError,
     InvalidInput,
     NotFound,
+    ObjectTooLarge,
     StorageUnavailable,
 )
 from bulletin.storage import S3Store, open_store
@@ -135,3 +137,56 @@ def test_unknown_profile_is_a_config_error(tmp_path: Path, monkeypatch: pytest.M
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
     with pytest.raises(ConfigError, match="profile"):
         open_store("s3://bucket?profile=nobody-has-this-profile")
+
+
+# -- bounded reads, against a stubbed client ---------------------------------------------------
+
+
+class _Body(io.BytesIO):
+    """A response body that records how much of it was read."""
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__(data)
+        self.taken = 0
+
+    def read(self, size: int | None = -1) -> bytes:
+        chunk = super().read(size)
+        self.taken += len(chunk)
+        return chunk
+
+
+def _stubbed_get(data: bytes, *, length: int | None, max_bytes: int) -> tuple[bytes | BaseException, _Body]:
+    """One bounded ``get`` answered with ``data`` (and ``Content-Length: length`` unless None)."""
+    from botocore.response import StreamingBody
+    from botocore.stub import Stubber
+
+    store = S3Store("my-bucket", endpoint_url="http://127.0.0.1:9", region="us-east-1")
+    body = _Body(data)
+    response: dict[str, Any] = {"Body": StreamingBody(body, length), "ETag": '"e"'}
+    if length is not None:
+        response["ContentLength"] = length
+    with Stubber(store._client) as stub:
+        stub.add_response("get_object", response, {"Bucket": "my-bucket", "Key": "k"})
+        try:
+            return store.get("k", max_bytes=max_bytes).data, body
+        except BulletinError as exc:
+            return exc, body
+        finally:
+            store.close()
+
+
+def test_content_length_over_the_bound_is_refused_before_the_body_is_read() -> None:
+    outcome, body = _stubbed_get(bytes(10_000), length=10_000, max_bytes=4096)
+    assert isinstance(outcome, ObjectTooLarge) and "10000 bytes" in str(outcome)
+    assert body.taken == 0
+    assert body.closed  # the connection is dropped, not drained
+    outcome, _ = _stubbed_get(b"abc", length=3, max_bytes=3)
+    assert outcome == b"abc"
+
+
+def test_a_body_without_a_length_is_read_only_up_to_the_bound() -> None:
+    outcome, body = _stubbed_get(bytes(5 << 20), length=None, max_bytes=(1 << 20) + 5)
+    assert isinstance(outcome, ObjectTooLarge) and "more bytes" in str(outcome)
+    assert body.taken <= (1 << 20) + 6
+    outcome, _ = _stubbed_get(b"x" * 3_000_000, length=None, max_bytes=3_000_000)
+    assert outcome == b"x" * 3_000_000

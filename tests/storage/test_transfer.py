@@ -44,9 +44,9 @@ class SlowStore(WrapperStore):
         if key == self.fail_on:
             raise StorageUnavailable(f"injected failure on {key}")
 
-    def get(self, key: str) -> ObjectData:
+    def get(self, key: str, *, max_bytes: int | None = None) -> ObjectData:
         self._enter(key)
-        return super().get(key)
+        return super().get(key, max_bytes=max_bytes)
 
     def put_if_absent(self, key: str, data: bytes) -> WriteResult:
         self._enter(key)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bulletin.errors import NotFound
+from bulletin.errors import NotFound, ObjectTooLarge
 from bulletin.storage import MemoryStore, Store, Updated
 from bulletin.storage.wrapper import CountingStore, Traffic, WrapperStore
 from tests.storage.contract import StoreContract
@@ -37,3 +37,8 @@ def test_counts_requests_and_payload_bytes_both_ways(memory_store: MemoryStore) 
         store.get("k")  # a failed request still counts
     assert store.reset() == Traffic(requests=8, up=8, down=5)
     assert store.reset() == Traffic(0, 0, 0)
+    store.put_if_absent("big", b"x" * 100)
+    with pytest.raises(ObjectTooLarge):
+        store.get("big", max_bytes=10)  # refused unread: a request, no bytes
+    assert store.get("big", max_bytes=100).data == b"x" * 100
+    assert store.reset() == Traffic(requests=3, up=100, down=100)

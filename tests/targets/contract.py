@@ -24,6 +24,8 @@ from numpy.typing import NDArray
 from bulletin.checkpoint import write_checkpoint
 from bulletin.errors import IncompatibleTensors, InvalidInput, VerificationFailed, WrongBase
 from bulletin.publisher import Publisher
+from bulletin.run import Run
+from bulletin.storage import open_store
 from bulletin.subscriber import Subscriber
 from bulletin.target import Held, WeightTarget
 from patcher.diff import diff
@@ -373,9 +375,15 @@ class TargetContract:
         report = sub.stats.last_report
         assert report is not None and report.transitions == 2 and report.keyframe is None
         self.assert_holds(target, 4)
+        digest = Run(open_store(store), "r").read_manifest(4).digest
+        assert sub.held is not None and sub.held.manifest_digest == digest  # what the chain is checked by
         if self.durable:
+            restored = target.restored()
+            assert restored is not None and restored.manifest_digest == digest
             again = self.reopen(target)
             try:
                 assert Subscriber(store, "r", target=again).current_version == 4
+                resumed = again.restored()
+                assert resumed is not None and resumed.manifest_digest == digest  # across a restart too
             finally:
                 again.close()
