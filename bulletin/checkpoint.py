@@ -58,7 +58,6 @@ class SafetensorsHeader:
     specs: dict[str, TensorSpec]
     offsets: dict[str, tuple[int, int]]  # relative to ``data_start``
     data_start: int
-    data_size: int
     metadata: dict[str, str]
 
 
@@ -116,7 +115,7 @@ def parse_safetensors_header(prefix: bytes, file_size: int, *, source: str = "<b
         position = end
     if position != data_size:
         raise FormatError(f"{source}: {data_size - position} trailing bytes after the tensor data")
-    return SafetensorsHeader(specs, offsets, data_start, data_size, dict(metadata))
+    return SafetensorsHeader(specs, offsets, data_start, dict(metadata))
 
 
 def encode_safetensors_header(

@@ -91,10 +91,6 @@ class GateBridge:
         self._stop = stop
         self._held_since: float | None = None
 
-    @property
-    def held(self) -> bool:
-        return self._held_since is not None
-
     def _wait(self, future: Future[_T]) -> _T:
         # Poll so that a stopping sidecar never leaves this thread blocked for ever.
         while True:
@@ -238,8 +234,6 @@ class SyncStatus:
     current: int | None
     head: int | None
     syncing_to: int | None
-    last_ok: float | None
-    """Wall-clock time of the last successful poll or sync."""
     last_error_code: str | None
     last_error: str | None
     last_error_at: float | None
@@ -292,7 +286,6 @@ class SyncWorker:
         self._eager_until = 0.0
         self._head: int | None = None
         self._syncing_to: int | None = None
-        self._last_ok: float | None = None
         self._error: tuple[str, str, float] | None = None
         self._failures = 0
         self._last_verify: VerifyReport | None = None
@@ -331,7 +324,6 @@ class SyncWorker:
                 current=self.subscriber.current_version,
                 head=self._head,
                 syncing_to=self._syncing_to,
-                last_ok=self._last_ok,
                 last_error_code=error[0] if error else None,
                 last_error=error[1] if error else None,
                 last_error_at=error[2] if error else None,
@@ -490,7 +482,6 @@ class SyncWorker:
     def _succeeded(self) -> None:
         with self._lock:
             self._failures = 0
-            self._last_ok = time.time()
         self.metrics.last_sync_ok.set(1)
 
     def _failed(self, exc: Exception, *, during: str) -> None:

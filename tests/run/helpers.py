@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 from numpy.typing import NDArray
 
+from bulletin import Publisher
 from patcher.cast import cast_bits
 
 SHAPES: dict[str, tuple[int, ...]] = {
@@ -46,3 +49,18 @@ def assert_bits_equal(
         got = np.asarray(held[name]).reshape(bits.shape)
         assert got.dtype == bits.dtype, name
         assert np.array_equal(got, bits), f"{name} differs"
+
+
+def publish_versions(
+    store: str | os.PathLike[str], run: str, versions: int, *, seed: int, keyframe_every: int
+) -> list[dict[str, NDArray[np.unsignedinteger]]]:
+    """Publish ``versions`` steps of a fresh :class:`ToyTrainer`; the bits each one serves."""
+    trainer = ToyTrainer(seed=seed)
+    served = []
+    with Publisher(store, run, keyframe_every=keyframe_every) as pub:
+        for i in range(versions):
+            if i:
+                trainer.step()
+            pub.publish(trainer.state)
+            served.append(trainer.served())
+    return served

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from bulletin import Publisher
 from bulletin.keyspace import HEAD, manifest_key
 from bulletin.run import Run
 from bulletin.storage import Updated, open_store
 from schemas.head import HeadV1
-from tests.run.helpers import ToyTrainer
+from tests.run.helpers import publish_versions
 
 
 def rewind(store_url: str, run_name: str, to: int) -> None:
@@ -31,12 +30,4 @@ def rewrite(store_url: str, run_name: str, versions: int, *, seed: int, keyframe
     run = Run(open_store(store_url), run_name)
     for info in list(run.objects()):
         run.store.delete(info.key)
-    trainer = ToyTrainer(seed=seed)
-    served = []
-    with Publisher(store_url, run_name, keyframe_every=keyframe_every) as pub:
-        for i in range(versions):
-            if i:
-                trainer.step()
-            pub.publish(trainer.state)
-            served.append(trainer.served())
-    return served
+    return publish_versions(store_url, run_name, versions, seed=seed, keyframe_every=keyframe_every)

@@ -14,23 +14,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bulletin import Publisher, Subscriber
+from bulletin import Subscriber
 from bulletin.run import Run
 from bulletin.storage import open_store
 from bulletin.target import ArrayTarget
-from tests.run.helpers import ToyTrainer, assert_bits_equal
+from tests.run.helpers import assert_bits_equal, publish_versions
 
 
 def _publish(bucket: Path, versions: int) -> list[dict[str, np.ndarray]]:
-    trainer = ToyTrainer(seed=51)
-    served = []
-    with Publisher(bucket, "run", keyframe_every=3) as pub:
-        for i in range(versions):
-            if i:
-                trainer.step()
-            pub.publish(trainer.state)
-            served.append(trainer.served())
-    return served
+    return publish_versions(bucket, "run", versions, seed=51, keyframe_every=3)
 
 
 def _delete_manifest(run: Run, version: int) -> None:

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from bulletin import Publisher, Subscriber
+from bulletin import Subscriber
 from bulletin.errors import DigestMismatch
 from bulletin.storage import Store, open_store
 from bulletin.storage.base import ObjectData
 from bulletin.storage.wrapper import WrapperStore
 from bulletin.target import ArrayTarget
-from tests.run.helpers import ToyTrainer, assert_bits_equal
+from tests.run.helpers import assert_bits_equal, publish_versions
 
 
 class BadReads(WrapperStore):
@@ -49,15 +49,7 @@ class BadReads(WrapperStore):
 
 
 def _publish(bucket: Path, versions: int) -> list[dict[str, object]]:
-    trainer = ToyTrainer(seed=31)
-    served = []
-    with Publisher(bucket, "run", keyframe_every=10) as pub:
-        for i in range(versions):
-            if i:
-                trainer.step()
-            pub.publish(trainer.state)
-            served.append(trainer.served())
-    return served
+    return list(publish_versions(bucket, "run", versions, seed=31, keyframe_every=10))
 
 
 @pytest.mark.parametrize("part", ["/patches/", "/keyframes/"])

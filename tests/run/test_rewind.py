@@ -24,7 +24,7 @@ from bulletin.maintenance import collect_garbage
 from bulletin.run import Run
 from bulletin.storage import open_store
 from bulletin.target import ArrayTarget, LocalDirTarget
-from tests.run.helpers import ToyTrainer, assert_bits_equal
+from tests.run.helpers import ToyTrainer, assert_bits_equal, publish_versions
 from tests.run.rollback import rewind, rewrite
 
 RUN = "run"
@@ -38,15 +38,7 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 
 def _publish(store_url: str, versions: int, *, seed: int = 1, keyframe_every: int = 2) -> list[dict]:
-    trainer = ToyTrainer(seed=seed)
-    served = []
-    with Publisher(store_url, RUN, keyframe_every=keyframe_every) as pub:
-        for i in range(versions):
-            if i:
-                trainer.step()
-            pub.publish(trainer.state)
-            served.append(trainer.served())
-    return served
+    return publish_versions(store_url, RUN, versions, seed=seed, keyframe_every=keyframe_every)
 
 
 def _files(node: Path) -> dict[str, np.ndarray]:
