@@ -114,7 +114,7 @@ def verify(run: Run, *, progress: Callable[[int], None] | None = None) -> Verify
             if held is not None and stored.manifest.patch is not None and held.version == stored.version - 1:
                 report.bytes_read += execute(run, SyncPlan(stored, None, (stored,)), target, held).bytes_downloaded
                 report.transitions += 1
-                held = Held(stored.version, dict(stored.manifest.fingerprints))
+                held = Held.at(stored)
                 if stored.manifest.keyframe is not None:  # check the keyframe copy on its own too
                     report.bytes_read += execute(
                         run, SyncPlan(stored, stored, ()), ArrayTarget(), None
@@ -123,7 +123,7 @@ def verify(run: Run, *, progress: Callable[[int], None] | None = None) -> Verify
             elif stored.manifest.keyframe is not None:
                 report.bytes_read += execute(run, SyncPlan(stored, stored, ()), target, None).bytes_downloaded
                 report.keyframes += 1
-                held = Held(stored.version, dict(stored.manifest.fingerprints))
+                held = Held.at(stored)
             else:
                 report.problems.append(f"version {stored.version}: cannot be rebuilt (no base before it)")
                 continue

@@ -37,7 +37,6 @@ from typing import Any, Final, Self
 
 import numpy as np
 from numpy.typing import NDArray
-from pydantic import ValidationError
 
 from bulletin.checkpoint import INDEX_NAME, Checkpoint, hf_index, plan_checkpoint, safetensors_bytes
 from bulletin.device_kept import DeviceKept
@@ -63,7 +62,7 @@ from patcher.dtypes import SERVED_FLOAT_DTYPES
 from patcher.encode import encode
 from patcher.fingerprint import fingerprint, format_fingerprint
 from patcher.patch import Patch, TensorDelta, TensorSpec
-from schemas.manifest import KeyframeRef, ManifestV1, ObjectRef, PatchRef, TensorEntry, VersionStats
+from schemas.manifest import KeyframeRef, ManifestV1, ObjectRef, PatchRef, TensorEntry, VersionStats, check_metadata
 
 __all__ = ["PublishResult", "Publisher"]
 
@@ -186,13 +185,15 @@ class Publisher:
         """Publish synchronously; returns the new version number."""
         self._check_open()
         self.flush()
-        return self._publish(self._prepare(state_dict), dict(metadata or {})).version
+        checked = check_metadata(metadata or {})  # bad input changes nothing: checked first
+        return self._publish(self._prepare(state_dict), checked).version
 
     def publish_checkpoint(
         self, path: str | os.PathLike[str], *, metadata: Mapping[str, str] | None = None
     ) -> PublishResult:
         """Publish a safetensors checkpoint (file or directory) as is: its dtypes are served."""
         self._check_open()
+        checked = check_metadata(metadata or {})
         self.flush()
         with Checkpoint(path) as ckpt:
             specs = ckpt.specs
@@ -200,7 +201,7 @@ class Publisher:
         self._ready()
         self._next_version += 1
         self._prepared_specs = specs
-        return self._publish(Snapshot(specs, bits, {}), dict(metadata or {}))
+        return self._publish(Snapshot(specs, bits, {}), checked)
 
     def publish_async(
         self, state_dict: Mapping[str, Any], *, metadata: Mapping[str, str] | None = None
@@ -209,13 +210,14 @@ class Publisher:
         bounded queue is full. Errors surface from the future and from flush/close."""
         self._check_open()
         self._raise_background_error()
+        checked = check_metadata(metadata or {})
         epoch = self._epoch  # read before _prepare: a failure from now on refuses this snapshot
         snap = self._prepare(state_dict)
         future: Future[PublishResult] = Future()
         if self._worker is None:
             self._worker = threading.Thread(target=self._drain, name=f"bulletin-publish-{self.run}", daemon=True)
             self._worker.start()
-        self._queue.put((snap, dict(metadata or {}), future, epoch))
+        self._queue.put((snap, checked, future, epoch))
         return future
 
     def flush(self) -> None:
@@ -373,7 +375,7 @@ class Publisher:
         if head is not None and (head.head.version, head.head.manifest_digest) == ours:
             return  # the head names what this publisher holds: one small read
         tip = self._run.tip()
-        held = Held(kept.stored.version, kept.fingerprints, kept.stored.digest)
+        held = Held.at(kept.stored)
         try:
             if tip is None:
                 raise RunRewound(f"{self.run}: version {held.version} held here, but the run has no version left")
@@ -408,32 +410,27 @@ class Publisher:
             raise InternalError("a keyframe version was diffed on the device")
         patch_ref = self._upload_patch(version, patch) if patch is not None else None
         keyframe_ref = self._upload_keyframe(version, snap) if is_keyframe else None
-        try:
-            manifest = ManifestV1(
-                run=self.run,
-                version=version,
-                parent_version=kept.stored.version if kept else None,
-                parent_digest=kept.stored.digest if kept else None,
-                created_at=datetime.now(UTC),
-                writer=self.writer,
-                tensors=tuple(
-                    TensorEntry(name=s.name, dtype=s.dtype, shape=s.shape, fingerprint=format_fingerprint(fps[s.name]))  # type: ignore[arg-type]
-                    for s in (snap.specs[n] for n in sorted(snap.specs))
-                ),
-                patch=patch_ref,
-                keyframe=keyframe_ref,
-                stats=VersionStats(
-                    total_elements=sum(s.numel for s in snap.specs.values()),
-                    total_bytes=sum(s.nbytes for s in snap.specs.values()),
-                    patch_bytes=sum(r.size for r in patch_ref.shards) if patch_ref else 0,
-                    keyframe_bytes=sum(r.size for r in keyframe_ref.files) if keyframe_ref else 0,
-                ),
-                metadata=metadata,
-            )
-        except ValidationError as exc:  # the metadata is the only part a caller gives as is
-            problem = exc.errors()[0]
-            where = ".".join(str(part) for part in problem["loc"])
-            raise InvalidInput(f"version {version}: manifest field {where}: {problem['msg']}") from exc
+        manifest = ManifestV1(
+            run=self.run,
+            version=version,
+            parent_version=kept.stored.version if kept else None,
+            parent_digest=kept.stored.digest if kept else None,
+            created_at=datetime.now(UTC),
+            writer=self.writer,
+            tensors=tuple(
+                TensorEntry(name=s.name, dtype=s.dtype, shape=s.shape, fingerprint=format_fingerprint(fps[s.name]))  # type: ignore[arg-type]
+                for s in (snap.specs[n] for n in sorted(snap.specs))
+            ),
+            patch=patch_ref,
+            keyframe=keyframe_ref,
+            stats=VersionStats(
+                total_elements=sum(s.numel for s in snap.specs.values()),
+                total_bytes=sum(s.nbytes for s in snap.specs.values()),
+                patch_bytes=sum(r.size for r in patch_ref.shards) if patch_ref else 0,
+                keyframe_bytes=sum(r.size for r in keyframe_ref.files) if keyframe_ref else 0,
+            ),
+            metadata=metadata,
+        )
         try:
             stored = self._run.commit(manifest)  # raises VersionConflict for a stale trainer
         except StorageUnavailable as exc:

@@ -190,7 +190,7 @@ class Subscriber:
         return self._run.read_manifest(version)
 
     def _activated(self, stored: StoredManifest) -> None:
-        self._held = Held(stored.version, dict(stored.manifest.fingerprints), stored.digest)
+        self._held = Held.at(stored)
         self._damaged = None
 
     def _base(self, stored: StoredManifest, *, tip: bool) -> Held | None:

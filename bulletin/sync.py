@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 from numpy.typing import NDArray
@@ -68,7 +68,6 @@ class SyncReport:
     download_s: float = 0.0
     decode_s: float = 0.0
     apply_s: float = 0.0
-    timings: dict[str, float] = field(default_factory=dict)
 
 
 def check_chain(run: Run, held: Held, target: StoredManifest, *, tip: bool) -> None:
@@ -305,9 +304,7 @@ def execute(
             raise
         report.apply_s += time.perf_counter() - t1
         report.keyframe = sync_plan.keyframe.version
-        current = Held(
-            sync_plan.keyframe.version, dict(sync_plan.keyframe.manifest.fingerprints), sync_plan.keyframe.digest
-        )
+        current = Held.at(sync_plan.keyframe)
         if on_activate is not None:
             on_activate(sync_plan.keyframe)
     if not sync_plan.patches:

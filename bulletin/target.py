@@ -40,7 +40,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from numpy.typing import NDArray
@@ -63,6 +63,9 @@ from patcher.fingerprint import fingerprint, format_fingerprint, parse_fingerpri
 from patcher.patch import Patch, TensorSpec
 from schemas.common import parse_document
 from schemas.local_state import JournalV1, LocalStateV1
+
+if TYPE_CHECKING:
+    from bulletin.run import StoredManifest
 
 __all__ = ["ArrayTarget", "Held", "LocalDirTarget", "WeightTarget", "read_local_state"]
 
@@ -87,6 +90,17 @@ class Held:
     version: int
     fingerprints: dict[str, int]
     manifest_digest: str | None = field(default=None, compare=False)
+
+    @classmethod
+    def at(cls, stored: StoredManifest) -> Held:
+        """What a target holds once ``stored``'s version is verified and active."""
+        return cls(stored.version, dict(stored.manifest.fingerprints), stored.digest)
+
+    @classmethod
+    def recorded(cls, state: LocalStateV1) -> Held:
+        """What a replica folder's state file says it holds."""
+        fingerprints = {n: parse_fingerprint(f) for n, f in state.fingerprints.items()}
+        return cls(state.version, fingerprints, state.manifest_digest)
 
 
 class WeightTarget(ABC):
@@ -404,10 +418,7 @@ class LocalDirTarget(WeightTarget):
         """What :meth:`restored` of a target on ``directory`` would report, read only: no
         lock, no recovery, nothing created or changed (see :func:`read_local_state`)."""
         state = read_local_state(directory, run=run)
-        if state is None:
-            return None
-        fingerprints = {n: parse_fingerprint(f) for n, f in state.fingerprints.items()}
-        return Held(state.version, fingerprints, state.manifest_digest)
+        return Held.recorded(state) if state is not None else None
 
     def _read_state(self) -> LocalStateV1 | None:
         return read_local_state(self.dir, run=self.run)
@@ -425,13 +436,8 @@ class LocalDirTarget(WeightTarget):
 
     def _recover(self) -> None:
         """Under the lock: finish what a killed writer left (see the class docstring)."""
-        journal_path = self.dir / self.JOURNAL
         with os_errors(f"cannot recover {self.dir}"):
-            if journal_path.exists():
-                journal = self._read_journal(journal_path)
-                if self._uncommitted(journal):
-                    self._undo(journal)  # the apply never committed: put the old bits back
-            self._drop_journal()  # undo data without a journal: the apply had not begun writing
+            self._roll_back()
             if self._state is not None:
                 self._point_current(self._state.model_dir)
             keep = self._state.model_dir if self._state is not None else None
@@ -441,6 +447,17 @@ class LocalDirTarget(WeightTarget):
                         self._remove_model(entry.name)
                 elif _TEMP_NAME.fullmatch(entry.name):
                     os.unlink(entry.path)
+
+    def _roll_back(self) -> None:
+        """Write back the undo data of an apply that did not commit (state.json still
+        names its start), then drop the journal; undo data without a journal means the
+        apply had not begun writing."""
+        journal_path = self.dir / self.JOURNAL
+        if journal_path.exists():
+            journal = self._read_journal(journal_path)
+            if self._uncommitted(journal):
+                self._undo(journal)
+        self._drop_journal()
 
     def _drop_journal(self) -> None:
         # Undo data first: a journal without it means "nothing left to write back".
@@ -523,13 +540,7 @@ class LocalDirTarget(WeightTarget):
         return self._checkpoint.specs if self._checkpoint is not None else None
 
     def restored(self) -> Held | None:
-        if self._state is None:
-            return None
-        return Held(
-            self._state.version,
-            {n: parse_fingerprint(f) for n, f in self._state.fingerprints.items()},
-            self._state.manifest_digest,
-        )
+        return Held.recorded(self._state) if self._state is not None else None
 
     @property
     def staged_path(self) -> Path:
@@ -695,13 +706,8 @@ class LocalDirTarget(WeightTarget):
 
     def abort(self) -> None:
         """Drop a load or apply that will not be activated, restoring what was held."""
-        journal_path = self.dir / self.JOURNAL
         with os_errors(f"cannot restore {self.dir}"):
-            if journal_path.exists():
-                journal = self._read_journal(journal_path)
-                if self._uncommitted(journal):
-                    self._undo(journal)
-                self._drop_journal()
+            self._roll_back()
         self._journaled = False
         self._discard_pending()
 

@@ -8,9 +8,10 @@ from functools import cached_property
 from types import MappingProxyType
 from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, TypeAdapter, ValidationError, model_validator
 
 from patcher.compression import Codec
+from patcher.errors import InvalidInput
 from patcher.fingerprint import parse_fingerprint
 from patcher.patch import TensorSpec
 from schemas.common import (
@@ -24,13 +25,31 @@ from schemas.common import (
     parse_document,
 )
 
+#: Free-form trainer annotations: keys up to 256 characters, values up to 4096.
+Metadata = dict[Annotated[str, Field(max_length=256)], Annotated[str, Field(max_length=4096)]]
+_METADATA: TypeAdapter[dict[str, str]] = TypeAdapter(Annotated[Metadata, Field(max_length=256)])
+
+
+def check_metadata(metadata: Mapping[str, str]) -> dict[str, str]:
+    """``metadata`` as a manifest will hold it; ``InvalidInput`` (one line, the pydantic
+    error as its cause) for what a manifest refuses, so a publisher checks it first."""
+    try:
+        return _METADATA.validate_python(dict(metadata))
+    except ValidationError as exc:
+        problem = exc.errors()[0]
+        where = ".".join(str(part) for part in problem["loc"])
+        raise InvalidInput(f"manifest field metadata{'.' + where if where else ''}: {problem['msg']}") from exc
+
+
 __all__ = [
     "KeyframeRef",
     "ManifestV1",
+    "Metadata",
     "ObjectRef",
     "PatchRef",
     "TensorEntry",
     "VersionStats",
+    "check_metadata",
     "parse_manifest",
 ]
 
@@ -120,9 +139,7 @@ class ManifestV1(Document):
     keyframe: KeyframeRef | None
     """Full copy of this version; required when there is no patch."""
     stats: VersionStats
-    metadata: dict[Annotated[str, Field(max_length=256)], Annotated[str, Field(max_length=4096)]] = Field(
-        default_factory=dict, max_length=256
-    )
+    metadata: Metadata = Field(default_factory=dict, max_length=256)
     """Free-form trainer annotations (step, loss, ...)."""
 
     @model_validator(mode="after")
