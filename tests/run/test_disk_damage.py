@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import uuid
 from pathlib import Path
 
 import numpy as np
@@ -27,13 +26,6 @@ from tests.run.helpers import ToyTrainer, assert_bits_equal
 from tests.run.rollback import rewrite
 
 RUN = "run"
-
-
-@pytest.fixture(params=["memory", "local"])
-def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "memory":
-        return f"memory://{uuid.uuid4().hex}"
-    return str(tmp_path / "bucket")
 
 
 def _publish(store_url: str, versions: int, *, keyframe_every: int = 3, trainer: ToyTrainer | None = None) -> list:

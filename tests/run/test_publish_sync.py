@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import uuid
 from pathlib import Path
 
 import numpy as np
@@ -23,13 +22,6 @@ from bulletin.storage import open_store
 from bulletin.target import ArrayTarget, LocalDirTarget
 from patcher.fingerprint import fingerprint
 from tests.run.helpers import ToyTrainer, assert_bits_equal
-
-
-@pytest.fixture(params=["memory", "local"])
-def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "memory":
-        return f"memory://{uuid.uuid4().hex}"
-    return str(tmp_path / "bucket")
 
 
 def _publish(pub: Publisher, trainer: ToyTrainer, versions: int) -> list[dict[str, np.ndarray]]:

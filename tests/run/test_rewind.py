@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import threading
-import uuid
 from pathlib import Path
 
 import numpy as np
@@ -28,13 +27,6 @@ from tests.run.helpers import ToyTrainer, assert_bits_equal, publish_versions
 from tests.run.rollback import rewind, rewrite
 
 RUN = "run"
-
-
-@pytest.fixture(params=["memory", "local"])
-def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "memory":
-        return f"memory://{uuid.uuid4().hex}"
-    return str(tmp_path / "bucket")
 
 
 def _publish(store_url: str, versions: int, *, seed: int = 1, keyframe_every: int = 2) -> list[dict]:
