@@ -193,6 +193,17 @@ class Subscriber:
         self._held = Held.at(stored)
         self._damaged = None
 
+    def _lost(self) -> None:
+        """A failed keyframe load left the target's bits unknown: report no version, and
+        start the next route at a keyframe (the chain is still checked against ``held``)."""
+        if self._held is not None:
+            log.warning(
+                "%s: a failed load may have changed the bits of version %d; it is no longer reported",
+                self.run,
+                self._held.version,
+            )
+            self._held, self._damaged = None, self._held
+
     def _base(self, stored: StoredManifest, *, tip: bool) -> Held | None:
         """The held version to plan from, once the run is known to still continue it.
 
@@ -225,6 +236,7 @@ class Subscriber:
                 base,
                 on_bytes=self._on_bytes,
                 on_activate=self._activated,
+                on_lost=self._lost,
             )
         except Exception as exc:
             self.stats.failures += 1

@@ -279,6 +279,7 @@ def execute(
     *,
     on_bytes: Callable[[int], None] | None = None,
     on_activate: Callable[[StoredManifest], None] | None = None,
+    on_lost: Callable[[], None] | None = None,
 ) -> SyncReport:
     """Carry out a plan. On failure the target keeps a verified version (see below).
 
@@ -286,7 +287,9 @@ def execute(
     once, so a later failure leaves the node on that keyframe's version, which is
     older than asked but exact. Patches are verified (digests, format, fingerprint
     chain against the manifests) before the target sees them; the target restores
-    its bits if the apply does not land on the manifest's fingerprints.
+    its bits if the apply does not land on the manifest's fingerprints. A keyframe load
+    that fails on a target that cannot restore loads (``restores_loads`` false) calls
+    ``on_lost``: ``held`` is no longer what the target holds, and must not be reported.
     """
     report = SyncReport(held.version if held else None, sync_plan.target.version)
     current = held
@@ -301,6 +304,8 @@ def execute(
             target.activate(sync_plan.keyframe.version, manifest_digest=sync_plan.keyframe.digest)
         except BaseException:
             target.abort()
+            if not target.restores_loads and on_lost is not None:
+                on_lost()
             raise
         report.apply_s += time.perf_counter() - t1
         report.keyframe = sync_plan.keyframe.version

@@ -118,6 +118,12 @@ class WeightTarget(ABC):
     #: around ``activate``. True unless a target knows better: the safe assumption.
     in_place: bool = True
 
+    #: Whether :meth:`abort` after :meth:`load_full` puts back the bits of the version
+    #: activated last. False for live weights without a second copy (torch, vLLM): sync
+    #: then stops reporting that version (see ``execute``'s ``on_lost``), since the
+    #: target may hold the new bits, the old ones, or a mix.
+    restores_loads: bool = True
+
     @property
     def supports_shards(self) -> bool:
         """Whether :meth:`apply_shards` applies straight from encoded shards; sync then

@@ -344,6 +344,8 @@ class TorchTarget(WeightTarget):
 
     #: Live weights change during ``load_full`` and ``apply``, not only at ``activate``.
     in_place = True
+    #: ``load_full`` overwrites the live tensors and keeps no copy of what they held.
+    restores_loads = False
 
     def __init__(
         self,

@@ -235,6 +235,8 @@ class VLLMTarget(WeightTarget):
 
     #: Workers' parameters change during ``load_full`` and ``apply``.
     in_place = True
+    #: A load overwrites the workers' parameters, which keep no copy of what they held.
+    restores_loads = False
 
     def __init__(
         self,

@@ -160,8 +160,10 @@ class GatedTarget(WeightTarget):
     ) -> None:
         self.inner = inner
         self.in_place = inner.in_place if in_place is None else in_place
+        self.restores_loads = inner.restores_loads
         self.metrics = metrics or SidecarMetrics()
         self.bridge: GateBridge | None = None
+        self._loaded = False  # a load_full since the last activation
 
     def _hold(self) -> None:
         if self.bridge is not None:
@@ -181,6 +183,7 @@ class GatedTarget(WeightTarget):
         if self.in_place:
             self._hold()
         started = time.perf_counter()
+        self._loaded = True
         self.inner.load_full(tensors, specs)
         self.metrics.apply_seconds.observe(time.perf_counter() - started)
 
@@ -208,6 +211,11 @@ class GatedTarget(WeightTarget):
 
     def abort(self) -> None:
         self.inner.abort()
+        if self._loaded and not self.restores_loads and self.bridge is not None:
+            # The engine may hold the new bits, the old or a mix: serve nothing until a
+            # verified version is activated again.
+            self.bridge.withdraw()
+        self._loaded = False
 
     def full_fingerprints(self) -> dict[str, int]:
         return self.inner.full_fingerprints()
@@ -215,6 +223,7 @@ class GatedTarget(WeightTarget):
     def activate(self, version: int, *, manifest_digest: str | None = None) -> None:
         self._hold()
         self.inner.activate(version, manifest_digest=manifest_digest)
+        self._loaded = False
         if self.bridge is not None:
             self.bridge.release(version)
 

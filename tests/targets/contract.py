@@ -270,6 +270,7 @@ class TargetContract:
         target.load_full(V[OTHER], SPECS)
         target.abort()
         assert self.active_version(target) == 1
+        assert target.restores_loads is self.restores_aborted_loads  # the flag sync relies on
         if self.restores_aborted_loads:
             self.assert_holds(target, 1)
 
