@@ -76,6 +76,23 @@ def _tmp_name(target: Path) -> Path:
 
 
 @contextmanager
+def _temp_file(target: Path) -> Iterator[tuple[BinaryIO, Path]]:
+    """A new temp file beside ``target`` (``.NAME.tmp-PID``), fsynced when the block ends;
+    removed if anything fails, the block included (``OSError`` as :func:`local_error`)."""
+    tmp = _tmp_name(target)
+    with os_errors(f"cannot write {target}"):
+        try:
+            with open(tmp, "wb") as fh:
+                yield fh, tmp
+                fh.flush()
+                os.fsync(fh.fileno())
+        except BaseException:
+            with suppress(OSError):
+                os.unlink(tmp)
+            raise
+
+
+@contextmanager
 def atomic_file(target: Path, *, sync_dir: bool = True) -> Iterator[BinaryIO]:
     """A file handle whose content replaces ``target`` when the block ends without error.
 
@@ -84,13 +101,10 @@ def atomic_file(target: Path, *, sync_dir: bool = True) -> Iterator[BinaryIO]:
     mix. If anything fails (the block included) the temp file is removed and ``target``
     is untouched; an ``OSError`` is raised as :func:`local_error`.
     """
-    tmp = _tmp_name(target)
+    with _temp_file(target) as (fh, tmp):
+        yield fh
     with os_errors(f"cannot write {target}"):
         try:
-            with open(tmp, "wb") as fh:
-                yield fh
-                fh.flush()
-                os.fsync(fh.fileno())
             os.replace(tmp, target)
         except BaseException:
             with suppress(OSError):
@@ -113,16 +127,7 @@ def stage_file(target: Path, parts: Iterable[bytes | memoryview]) -> Path:
     """Write ``parts`` to the temp file :func:`atomic_file` would use, fsynced, and return
     its path: the caller renames it over ``target`` at a commit point of its own (and
     removes it if it does not). Nothing is left behind on failure."""
-    tmp = _tmp_name(target)
-    with os_errors(f"cannot write {target}"):
-        try:
-            with open(tmp, "wb") as fh:
-                for part in parts:
-                    fh.write(part)
-                fh.flush()
-                os.fsync(fh.fileno())
-        except BaseException:
-            with suppress(OSError):
-                os.unlink(tmp)
-            raise
+    with _temp_file(target) as (fh, tmp):
+        for part in parts:
+            fh.write(part)
     return tmp
