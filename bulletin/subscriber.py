@@ -344,7 +344,9 @@ class Subscriber:
                 head = self.head_version()
                 current = self.current_version
                 if head is not None and (current is None or head > current):
-                    yield self.sync(head)
+                    # To the tip, not to the head's number: a head may name a version that
+                    # is gone (Run.tip falls back) or lag one that is committed.
+                    yield self.sync()
                 elif self.head_diverged():
                     # The head went back or was rewritten: a sync to the tip refuses that
                     # (RunRewound / ChainMismatch) or, with allow_reset, follows it.

@@ -438,7 +438,9 @@ class SyncWorker:
             self._syncing_to = target if target is not None else head
         started = time.perf_counter()
         try:
-            reached = self.subscriber.sync(target)
+            # Chasing the head means the tip (a head may name a version that is gone, or lag
+            # one committed); a version a request asked for exactly is synced to by number.
+            reached = self.subscriber.sync(None if target == head else target)
         except BulletinError as exc:
             self._failed(exc, during=during)
         except Exception as exc:

@@ -9,6 +9,7 @@ version the bucket does hold, with a warning; it never reports one that is not t
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -77,3 +78,22 @@ def test_a_head_with_no_manifest_left_at_all_is_a_run_without_versions(tmp_path:
         _delete_manifest(run, version)
     assert run.read_head() is not None
     assert run.tip() is None
+
+
+def test_following_a_run_whose_head_names_a_missing_version_reaches_the_newest_left(tmp_path: Path) -> None:
+    bucket = tmp_path / "bucket"
+    served = _publish(bucket, 5)
+    run = Run(open_store(bucket), "run")
+    node = ArrayTarget()
+    sub = Subscriber(bucket, "run", target=node)
+    assert sub.sync(2) == 2
+    _delete_manifest(run, 5)
+    errors: list[Exception] = []
+    stop = threading.Event()
+
+    def failed(exc: Exception) -> None:  # one failure ends the loop: the test never hangs
+        errors.append(exc)
+        stop.set()
+
+    assert next(sub.follow(interval=0.01, stop=stop, on_error=failed), None) == 4, errors
+    assert_bits_equal(node.arrays, served[3])
