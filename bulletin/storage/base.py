@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Protocol, Self, TypeAlias, runtime_checkable
 
-from bulletin.errors import InvalidInput
+from bulletin.errors import InvalidInput, StorageUnavailable
+from bulletin.storage.keys import check_etag, check_max_bytes
 
 __all__ = [
     "Conflicted",
@@ -153,7 +154,8 @@ class Store(Protocol):
 
 
 class StoreBase:
-    """Plumbing shared by the built-in backends: the URL, closing, ``with`` support."""
+    """Plumbing shared by the built-in backends: the URL, closing, ``with`` support, and
+    both reads over one hook, :meth:`_read`."""
 
     __slots__ = ("_closed", "_url")
 
@@ -173,6 +175,23 @@ class StoreBase:
     def close(self) -> None:
         """Release resources. Idempotent; any later call on the store raises ``InvalidInput``."""
         self._closed = True
+
+    def _read(self, key: str, if_changed_from: str | None, max_bytes: int | None) -> ObjectData | None:
+        """The backend's one read: the object (``NotFound`` if absent, ``ObjectTooLarge``
+        over ``max_bytes``), or None while it still carries ``if_changed_from``; the
+        arguments are already checked."""
+        raise NotImplementedError
+
+    def get(self, key: str, *, max_bytes: int | None = None) -> ObjectData:
+        """The object's bytes and ETag; ``NotFound`` if absent, ``ObjectTooLarge`` over ``max_bytes``."""
+        data = self._read(key, None, check_max_bytes(max_bytes))
+        if data is None:  # only a conditional read may answer "not modified"
+            raise StorageUnavailable(f"{self._url}: {key!r}: 'not modified' answered to an unconditional read")
+        return data
+
+    def get_if_changed(self, key: str, etag: str | None, *, max_bytes: int | None = None) -> ObjectData | None:
+        """The object unless it still carries ``etag`` (then ``None``); ``NotFound`` if absent."""
+        return self._read(key, None if etag is None else check_etag(etag), check_max_bytes(max_bytes))
 
     def __enter__(self) -> Self:
         return self

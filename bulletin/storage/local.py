@@ -58,7 +58,6 @@ from bulletin.storage.keys import (
     check_data,
     check_etag,
     check_key,
-    check_max_bytes,
     check_prefix,
     check_start_after,
     too_large,
@@ -236,17 +235,6 @@ class LocalStore(StoreBase):
                 if len(data) > max_bytes:
                     raise too_large(f"{self.url}: {key!r}", None, max_bytes)
                 return ObjectData(data, etag)
-
-    def get(self, key: str, *, max_bytes: int | None = None) -> ObjectData:
-        """The object's bytes and ETag; ``NotFound`` if absent, ``ObjectTooLarge`` over ``max_bytes``."""
-        data = self._read(key, None, check_max_bytes(max_bytes))
-        if data is None:  # unreachable: no ETag to match was given
-            raise NotFound(f"{self.url}: no object {key!r}")
-        return data
-
-    def get_if_changed(self, key: str, etag: str | None, *, max_bytes: int | None = None) -> ObjectData | None:
-        """The object unless it still carries ``etag`` (then ``None``); ``NotFound`` if absent."""
-        return self._read(key, None if etag is None else check_etag(etag), check_max_bytes(max_bytes))
 
     def stat(self, key: str) -> ObjectInfo:
         """Size, ETag and modification time; ``NotFound`` if absent."""

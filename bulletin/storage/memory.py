@@ -28,7 +28,6 @@ from bulletin.storage.base import (
 from bulletin.storage.keys import (
     check_data,
     check_etag,
-    check_max_bytes,
     check_prefix,
     check_start_after,
     check_store_prefix,
@@ -114,17 +113,6 @@ class MemoryStore(StoreBase):
         if entry is None:
             raise NotFound(f"{self.url}: no object {key!r}")
         return entry
-
-    def get(self, key: str, *, max_bytes: int | None = None) -> ObjectData:
-        """The object's bytes and ETag; ``NotFound`` if absent, ``ObjectTooLarge`` over ``max_bytes``."""
-        data = self._read(key, None, check_max_bytes(max_bytes))
-        if data is None:  # unreachable: no ETag to match was given
-            raise NotFound(f"{self.url}: no object {key!r}")
-        return data
-
-    def get_if_changed(self, key: str, etag: str | None, *, max_bytes: int | None = None) -> ObjectData | None:
-        """The object unless it still carries ``etag`` (then ``None``); ``NotFound`` if absent."""
-        return self._read(key, None if etag is None else check_etag(etag), check_max_bytes(max_bytes))
 
     def _read(self, key: str, etag: str | None, max_bytes: int | None) -> ObjectData | None:
         entry = self._entry(key)

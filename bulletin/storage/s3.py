@@ -59,7 +59,6 @@ from bulletin.storage.base import (
 from bulletin.storage.keys import (
     check_data,
     check_etag,
-    check_max_bytes,
     check_prefix,
     check_start_after,
     check_store_prefix,
@@ -384,7 +383,7 @@ class S3Store(StoreBase):
 
     # -- reads ------------------------------------------------------------------------
 
-    def _get(self, key: str, if_none_match: str | None, max_bytes: int | None) -> ObjectData | None:
+    def _read(self, key: str, if_none_match: str | None, max_bytes: int | None) -> ObjectData | None:
         self._check_open()
         full = join_key(self._prefix, key)
         context = self._where(key)
@@ -429,17 +428,6 @@ class S3Store(StoreBase):
             if total > max_bytes:
                 raise too_large(context, None, max_bytes)
         return b"".join(chunks)
-
-    def get(self, key: str, *, max_bytes: int | None = None) -> ObjectData:
-        """The object's bytes and ETag; ``NotFound`` if absent, ``ObjectTooLarge`` over ``max_bytes``."""
-        data = self._get(key, None, check_max_bytes(max_bytes))
-        if data is None:  # only a conditional GET answers 304
-            raise StorageUnavailable(f"{self._where(key)}: unexpected 304 Not Modified")
-        return data
-
-    def get_if_changed(self, key: str, etag: str | None, *, max_bytes: int | None = None) -> ObjectData | None:
-        """The object unless it still carries ``etag`` (then ``None``, one 304); ``NotFound`` if absent."""
-        return self._get(key, None if etag is None else check_etag(etag), check_max_bytes(max_bytes))
 
     def _head(self, key: str, full: str) -> dict[str, Any] | None:
         """``HeadObject``'s answer, or ``None`` if the key is absent."""
