@@ -130,6 +130,8 @@ def test_publish_sync_log_status_verify_gc(tmp_path: Path, capsys: pytest.Captur
     assert code == 0 and json.loads(out)["version"] == 3
     code, out, _ = run(capsys, "sync", *common, "--to", str(node), "--json")
     assert code == 0 and json.loads(out)["from_version"] == 3 and json.loads(out)["version"] == 5
+    report = json.loads(out)
+    assert report["changed_elements"] > 0 and min(report[k] for k in ("download_s", "decode_s", "apply_s")) >= 0
     synced = load_file(node / "current" / "model.safetensors")
     assert torch.equal(synced["w"], load_file(tmp_path / "ckpt5.safetensors")["w"])
 
