@@ -25,7 +25,8 @@ export PYTHONPATH="$repo:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
 status=0
 "$py" -m pytest -m gpu -p no:cacheprovider -q -o addopts="" --junitxml="$out/gpu-tests.xml" \
-    tests/kernels/test_cuda.py tests/run/test_gpu_publish.py tests/sidecar/test_torch_target_gpu.py \
+    tests/kernels/test_cuda.py tests/run/test_gpu_publish.py tests/run/test_gpu_recovery.py \
+    tests/sidecar/test_torch_target_gpu.py \
     2>&1 | tee "$out/gpu-tests.log" || status=1
 "$py" scripts/bench_gpu.py --no-tests --out "$out" 2>&1 | tee "$out/bench_gpu.log" || status=1
 "$py" scripts/bench_pause.py --json "$out/bench_pause.json" 2>&1 | tee "$out/bench_pause.log" || status=1
