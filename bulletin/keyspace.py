@@ -6,6 +6,7 @@
     <run>/manifests/<version:020d>.json                 one per committed version
     <run>/patches/<version:020d>/<sha256>.bpatch        shards of the transition version-1 -> version
     <run>/keyframes/<version:020d>-<writer>/<file>      safetensors files (+ HF index) of a keyframe
+    <run>/signatures/<manifest sha256>.json             detached signature of one manifest's exact bytes
 
 Versions are zero-padded so that a lexicographic listing is a numeric one. Patch
 shards are named by their content digest and keyframes by their writer, so two
@@ -30,6 +31,7 @@ __all__ = [
     "parse_manifest_key",
     "patch_shard_key",
     "run_root",
+    "signature_key",
     "version_of_data_key",
 ]
 
@@ -37,6 +39,7 @@ HEAD: Final = "head.json"
 MANIFESTS: Final = "manifests/"
 PATCHES: Final = "patches/"
 KEYFRAMES: Final = "keyframes/"
+SIGNATURES: Final = "signatures/"
 _RUN_RE: Final = re.compile(RUN_NAME_PATTERN)
 _MANIFEST_RE: Final = re.compile(r"^manifests/(\d{20})\.json$")
 _DATA_RE: Final = re.compile(r"^(?:patches|keyframes)/(\d{20})(?:-[0-9a-f]+)?/")
@@ -72,6 +75,12 @@ def patch_shard_key(version: int, sha256: str) -> str:
 
 def keyframe_prefix(version: int, writer: str) -> str:
     return f"{KEYFRAMES}{version:020d}-{writer}"
+
+
+def signature_key(manifest_digest: str) -> str:
+    """A manifest's detached signature, named by the digest of the bytes it signs: writers
+    racing for one version never write one key with different bytes."""
+    return f"{SIGNATURES}{manifest_digest}.json"
 
 
 def version_of_data_key(relative_key: str) -> int | None:
