@@ -23,6 +23,8 @@ Errors are grouped by what a caller does about them:
 - ``ChainMismatch``: the run no longer continues the version a node or trainer holds
   (rolled back, rewritten, replaced by another run's chain); a person decides, then
   opts in to follow it (``allow_reset``, ``--allow-reset``).
+- ``UntrustedVersion``: under a trust policy, a head or manifest is not signed by a
+  trusted key, or a signed head goes back or is too old; nothing was fetched or changed.
 - ``InternalError``: an invariant of Bulletin broke; a bug to report.
 
 Every class has a stable ``code`` used by the CLI's ``--json`` output and by the
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 from patcher.errors import (
     BulletinError,
+    ContextUnavailable,
     CorruptData,
     FormatError,
     IncompatibleTensors,
@@ -53,16 +56,19 @@ from patcher.errors import (
 
 __all__ = [
     "AccessDenied",
+    "BadSignature",
     "BulletinError",
     "ChainMismatch",
     "ConfigError",
     "Conflict",
+    "ContextUnavailable",
     "CorruptData",
     "DigestMismatch",
     "DiskFull",
     "EngineError",
     "FingerprintMismatch",
     "FormatError",
+    "HeadRolledBack",
     "IncompatibleTensors",
     "InternalError",
     "InvalidInput",
@@ -75,9 +81,14 @@ __all__ = [
     "ReadOnlyStorage",
     "ReplicaBusy",
     "RunRewound",
+    "StaleHead",
     "StorageUnavailable",
+    "StoreNotWritable",
+    "Unsigned",
     "UnsupportedDtype",
     "UnsupportedFormatVersion",
+    "UntrustedKey",
+    "UntrustedVersion",
     "VerificationFailed",
     "VersionConflict",
     "VersionNotFound",
@@ -92,6 +103,19 @@ class ConfigError(InvalidInput):
     """A store URL, flag or environment setting cannot be used."""
 
     code = "config_error"
+
+
+class StoreNotWritable(ConfigError):
+    """A write was asked of a store that can only be read (an HTTP site or CDN, an fsspec
+    filesystem without atomic create-only and compare-and-swap writes).
+
+    Refused before anything is sent or written, by the store and by the writers up front
+    (``Publisher``, ``gc``): publish to a store with conditional writes (a local directory,
+    ``s3://``, ``fsspec+s3://``) and let nodes read it through this one. Not the node's
+    read-only disk, which is ``ReadOnlyStorage``.
+    """
+
+    code = "store_not_writable"
 
 
 # -- bytes that are not what they claim ---------------------------------------------
@@ -253,3 +277,50 @@ class RunRewound(ChainMismatch):
     """The run's newest version is older than the version held here: it was rolled back."""
 
     code = "run_rewound"
+
+
+# -- not vouched for by a trusted key ----------------------------------------------------
+
+
+class UntrustedVersion(BulletinError):
+    """Under a trust policy, a head or manifest is not one to take (docs/SECURITY.md).
+
+    Raised as it is read, before any shard is downloaded and before anything held
+    changes: the node keeps serving what it holds. Someone who can write the bucket (or
+    a mirror, or the network path to it) can cause it; it is never a transient fault.
+    """
+
+    code = "untrusted_version"
+
+
+class Unsigned(UntrustedVersion):
+    """The head is not signed, or the manifest has no detached signature."""
+
+    code = "unsigned"
+
+
+class UntrustedKey(UntrustedVersion):
+    """Signed by a key that is not in the trusted set (an attacker's, or a retired key)."""
+
+    code = "untrusted_key"
+
+
+class BadSignature(UntrustedVersion):
+    """A signature by a trusted key id that does not verify over these bytes: forged,
+    damaged, copied from another version, or a head's replayed as a manifest's."""
+
+    code = "bad_signature"
+
+
+class HeadRolledBack(UntrustedVersion):
+    """A validly signed head older than one this trust policy already accepted for the run
+    (an old head replayed, or a mirror behind one already seen)."""
+
+    code = "head_rolled_back"
+
+
+class StaleHead(UntrustedVersion):
+    """A validly signed head older than the policy's ``max_head_age``: the head may be
+    frozen (newer versions withheld), or the trainer stopped moving it."""
+
+    code = "stale_head"

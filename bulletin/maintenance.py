@@ -6,11 +6,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
-from bulletin.errors import BulletinError, InvalidInput, VersionNotFound
+from bulletin import keyspace
+from bulletin.errors import BulletinError, InvalidInput, UntrustedVersion, VersionNotFound
 from bulletin.keyspace import version_of_data_key
-from bulletin.run import Run, StoredManifest
+from bulletin.run import Run, StoredManifest, sha256_hex
+from bulletin.storage import get_many, require_writable
 from bulletin.sync import SyncPlan, execute
 from bulletin.target import ArrayTarget, Held
+from schemas.common import MAX_DOCUMENT_BYTES
 
 __all__ = ["GcReport", "LogEntry", "VerifyReport", "collect_garbage", "log", "verify"]
 
@@ -55,7 +58,8 @@ def _entry(stored: StoredManifest) -> LogEntry:
 
 
 def log(run: Run, *, limit: int | None = None) -> list[LogEntry]:
-    """The chain, newest first (``limit`` newest versions)."""
+    """The chain, newest first (``limit`` newest versions). Under ``run``'s trust policy a
+    version shown must be signed by a trusted key (``UntrustedVersion`` otherwise)."""
     versions = run.versions()
     if limit is not None:
         versions = versions[-limit:] if limit > 0 else []
@@ -81,15 +85,30 @@ class VerifyReport:
 def verify(run: Run, *, progress: Callable[[int], None] | None = None) -> VerifyReport:
     """Check the whole run: every digest, every link of the hash chain, the head, and
     every version's bits (rebuilt from the oldest keyframe, fingerprints recomputed in
-    full). Problems are collected, not raised; reconstruction restarts at the next
-    keyframe after a broken version."""
+    full). Under ``run``'s trust policy, also the head's signature and every manifest's
+    own (an audit: each version is checked by itself, not through the chain). Problems
+    are collected, not raised; reconstruction restarts at the next keyframe after a
+    broken version."""
     report = VerifyReport()
+    trust, run = run.trust, Run(run.store, run.name, max_workers=run.max_workers)  # read all; judge below
     versions = run.versions()
     if not versions:
         raise VersionNotFound(f"{run.name}: the run has no version")
     manifests = run.read_manifests(versions)
     report.versions = len(manifests)
     head = run.read_head()
+    if trust is not None:
+        for stored in manifests:
+            try:
+                source = run.key(keyspace.manifest_key(stored.version))
+                trust.verify_manifest(run.name, stored.digest, run.read_signature(stored.digest), source=source)
+            except UntrustedVersion as exc:
+                report.problems.append(f"version {stored.version}: {exc.code}: {exc}")
+        if head is not None:
+            try:
+                trust.verify_head(run.name, head.head, source=run.key(keyspace.HEAD))
+            except UntrustedVersion as exc:
+                report.problems.append(f"head: {exc.code}: {exc}")
     if head is None:
         report.problems.append("the run has versions but no head")
     else:
@@ -164,10 +183,14 @@ def collect_garbage(
     The kept range is widened down to the newest keyframe at or below its oldest
     version, so a fresh node can always start. Objects no kept manifest names
     (left by crashed or losing publishers) are removed once older than ``grace``,
-    so a publish in flight is never touched. Manifests go before the data they name.
+    so a publish in flight is never touched. Manifests go before the data they name,
+    and before their detached signatures (removed with them, and when orphaned by a
+    losing commit, once older than ``grace``).
     """
     if keep < 1:
         raise InvalidInput("keep must be at least 1")
+    if not dry_run:
+        require_writable(run.store, "gc")  # before a single object is listed or deleted
     versions = run.versions()
     if not versions:
         raise VersionNotFound(f"{run.name}: the run has no version")
@@ -199,9 +222,26 @@ def collect_garbage(
             if (version is not None and version < floor) or old_enough:
                 report.deleted_objects.append(info.key)
                 report.deleted_bytes += info.size
+    _signatures_to_delete(run, report, kept, cutoff)
     if not dry_run:
         for key in report.deleted_manifests:
             run.store.delete(key)
         for key in report.deleted_objects:
             run.store.delete(key)
     return report
+
+
+def _signatures_to_delete(run: Run, report: GcReport, kept: list[StoredManifest], cutoff: datetime) -> None:
+    """Add to ``report`` the signatures of the manifests it deletes, and those no manifest
+    has (a losing or crashed commit) once older than ``cutoff``; never a kept version's."""
+    signatures = list(run.objects(keyspace.SIGNATURES))
+    if not signatures:  # an unsigned run: one listing, nothing read
+        return
+    keep = {run.key(keyspace.signature_key(s.digest)) for s in kept}
+    removed = get_many(run.store, report.deleted_manifests, max_workers=run.max_workers, max_bytes=MAX_DOCUMENT_BYTES)
+    going = {run.key(keyspace.signature_key(sha256_hex(data))) for data in removed.values()}
+    for info in signatures:
+        old_enough = info.last_modified is not None and info.last_modified < cutoff
+        if info.key not in keep and (info.key in going or old_enough):
+            report.deleted_objects.append(info.key)
+            report.deleted_bytes += info.size

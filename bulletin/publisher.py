@@ -52,17 +52,28 @@ from bulletin.errors import (
 )
 from bulletin.keyspace import keyframe_prefix, patch_shard_key
 from bulletin.run import Run, StoredManifest, sha256_hex
+from bulletin.signing import Signer
 from bulletin.snapshot import Snapshot, snapshot
-from bulletin.storage import Store, open_store
+from bulletin.storage import Store, open_store, require_writable
 from bulletin.sync import check_chain, execute, plan
 from bulletin.target import ArrayTarget, Held
-from patcher.compression import CODECS, DEFAULT_CODEC
+from patcher.compression import AUTO_CODEC, CONTEXT_CODEC, PUBLISH_CODECS, check_codec, check_patch_codec
 from patcher.diff import diff
 from patcher.dtypes import SERVED_FLOAT_DTYPES
-from patcher.encode import encode
+from patcher.encode import encode, encode_smallest
 from patcher.fingerprint import fingerprint, format_fingerprint
 from patcher.patch import Patch, TensorDelta, TensorSpec
-from schemas.manifest import KeyframeRef, ManifestV1, ObjectRef, PatchRef, TensorEntry, VersionStats, check_metadata
+from schemas.manifest import (
+    KeyframeRef,
+    ManifestV1,
+    ManifestV2,
+    ObjectRef,
+    PatchRef,
+    PatchRefV2,
+    TensorEntry,
+    VersionStats,
+    check_metadata,
+)
 
 __all__ = ["PublishResult", "Publisher"]
 
@@ -126,23 +137,34 @@ class Publisher:
         *,
         dtype: str = "BF16",
         keyframe_every: int = 10,
-        codec: str = DEFAULT_CODEC,
+        codec: str = AUTO_CODEC,
         max_shard_bytes: int = _DEFAULT_SHARD_BYTES,
         keyframe_file_bytes: int = _DEFAULT_KEYFRAME_FILE_BYTES,
         max_workers: int = 8,
         queue_size: int = 2,
         on_bytes: Callable[[int], None] | None = None,
+        signing_key: Signer | str | os.PathLike[str] | None = None,
     ) -> None:
+        """``signing_key``: a :class:`~bulletin.signing.Signer` or a private key file; every
+        manifest and head this publisher writes is then signed (docs/SECURITY.md)."""
         if dtype not in SERVED_FLOAT_DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(SERVED_FLOAT_DTYPES)}, not {dtype!r}")
         if keyframe_every < 1:
             raise ConfigError("keyframe_every must be >= 1")
-        if codec not in CODECS:
-            raise ConfigError(f"codec must be {' or '.join(map(repr, CODECS))}, not {codec!r}")
+        if codec not in PUBLISH_CODECS:
+            raise ConfigError(f"codec must be one of {', '.join(map(repr, PUBLISH_CODECS))}, not {codec!r}")
         if queue_size < 1 or max_shard_bytes < 1 << 10 or keyframe_file_bytes < 1 << 10:
             raise ConfigError("queue_size >= 1; max_shard_bytes and keyframe_file_bytes >= 1 KiB")
+        opened = open_store(store) if isinstance(store, str | os.PathLike) else store
+        require_writable(opened, "publishing")  # before a model is cast, diffed or uploaded
+        signer = (
+            signing_key if isinstance(signing_key, Signer) or signing_key is None else Signer.from_file(signing_key)
+        )
         self._run = Run(
-            open_store(store) if isinstance(store, str | os.PathLike) else store, run, max_workers=max_workers
+            opened,
+            run,
+            max_workers=max_workers,
+            signer=signer,
         )
         self.dtype = dtype
         self.keyframe_every = keyframe_every
@@ -219,6 +241,15 @@ class Publisher:
             self._worker.start()
         self._queue.put((snap, checked, future, epoch))
         return future
+
+    def refresh_head(self) -> bool:
+        """Sign the head again, now, if it still names this publisher's last version: call it
+        more often than readers' ``max_head_age`` while no version is published (a quiet
+        trainer's heartbeat; docs/SECURITY.md). Needs ``signing_key``; returns whether the
+        head was refreshed."""
+        self._check_open()
+        self.flush()
+        return self._kept is not None and self._run.refresh_head(self._kept.stored)
 
     def flush(self) -> None:
         """Wait until every queued publish is committed; raise the first background error."""
@@ -408,9 +439,11 @@ class Publisher:
         is_keyframe = not same_layout or (version - 1) % self.keyframe_every == 0
         if is_keyframe and snap.changes:  # cannot happen: _prepare sends keyframes in full
             raise InternalError("a keyframe version was diffed on the device")
-        patch_ref = self._upload_patch(version, patch) if patch is not None else None
+        patch_ref = self._upload_patch(version, patch, kept, snap) if kept is not None and patch is not None else None
         keyframe_ref = self._upload_keyframe(version, snap) if is_keyframe else None
-        manifest = ManifestV1(
+        # A context-coded patch needs a reader that knows it: spec_version 2; all else stays 1.
+        manifest_type: type[ManifestV1] = ManifestV2 if isinstance(patch_ref, PatchRefV2) else ManifestV1
+        manifest = manifest_type(
             run=self.run,
             version=version,
             parent_version=kept.stored.version if kept else None,
@@ -459,8 +492,27 @@ class Publisher:
             deltas[name] = TensorDelta.from_change(snap.specs[name], change, kept.fingerprints[name])
         return Patch({name: deltas[name] for name in sorted(deltas)})
 
-    def _upload_patch(self, version: int, patch: Patch) -> PatchRef:
-        shards = encode(patch, max_shard_bytes=self.max_shard_bytes, codec=self.codec)
+    def _base(self, kept: _Kept, snap: Snapshot, patch: Patch) -> dict[str, NDArray[np.unsignedinteger]]:
+        """The bits ``patch`` was diffed from, for the context codec: the host's, or for a
+        tensor diffed on its device, the device's (now the new bits) less the deltas."""
+        base = {name: snap.old_bits[name] if name in snap.old_bits else kept.bits[name] for name in snap.bits}
+        for name in snap.changes:
+            bits = self._device.host_bits(name)
+            td = patch.tensors[name]
+            bits.reshape(-1)[td.indices] -= td.delta  # new - delta wraps back to the old bits
+            base[name] = bits
+        return base
+
+    def _upload_patch(self, version: int, patch: Patch, kept: _Kept, snap: Snapshot) -> PatchRef:
+        codec: str
+        if self.codec == AUTO_CODEC:
+            codec, shards = encode_smallest(
+                patch, base=self._base(kept, snap, patch), max_shard_bytes=self.max_shard_bytes
+            )
+        else:
+            codec = check_patch_codec(self.codec)
+            base = self._base(kept, snap, patch) if codec == CONTEXT_CODEC else None
+            shards = encode(patch, max_shard_bytes=self.max_shard_bytes, codec=codec, base=base)
         refs = []
         items = {}
         for data in shards:
@@ -469,7 +521,11 @@ class Publisher:
             refs.append(ObjectRef(key=key, size=len(data), sha256=digest))
             items[key] = data
         self._run.upload(items, self._on_bytes)
-        return PatchRef(codec=self.codec, shards=tuple(refs), changed_elements=patch.changed_elements)
+        if codec == CONTEXT_CODEC:
+            return PatchRefV2(
+                codec="context", shards=tuple(refs), changed_elements=patch.changed_elements, context="base"
+            )
+        return PatchRef(codec=check_codec(codec), shards=tuple(refs), changed_elements=patch.changed_elements)
 
     def _upload_keyframe(self, version: int, snap: Snapshot) -> KeyframeRef:
         prefix = keyframe_prefix(version, self.writer)

@@ -11,6 +11,13 @@ The commit protocol (DESIGN invariant 1, FORMAT.md "Commit protocol"):
 A crash before 2 leaves orphans and no version; a crash between 2 and 3 leaves a
 committed version that the head does not show yet: :meth:`Run.tip` finds it by
 probing past the head, and the next commit moves the head over it.
+
+Signed versions (docs/SECURITY.md): a Run with a ``signer`` writes each manifest's
+detached signature create-only just before the manifest (step 2 stays the commit
+point) and signed heads; a Run with a ``trust`` policy checks every head it reads and
+every manifest it reads by number against it, before parsing the manifest and before
+anything is downloaded. Manifests read down the chain (:meth:`Run.ancestors`) need no
+signature of their own: each is the exact bytes its checked child names.
 """
 
 from __future__ import annotations
@@ -22,15 +29,17 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from bulletin import keyspace
 from bulletin.errors import (
     AccessDenied,
+    BadSignature,
     Conflict,
     CorruptData,
     DigestMismatch,
     FormatError,
+    InvalidInput,
     NotFound,
     ObjectTooLarge,
     StorageUnavailable,
@@ -39,8 +48,12 @@ from bulletin.errors import (
 )
 from bulletin.storage import Conflicted, ObjectData, ObjectInfo, Store, Updated, get_many, put_many_if_absent
 from schemas.common import MAX_DOCUMENT_BYTES
-from schemas.head import HeadV1, parse_head
+from schemas.head import Head, HeadV1, parse_head
 from schemas.manifest import ManifestV1, ObjectRef, parse_manifest
+from schemas.signature import MAX_SIGNATURE_BYTES
+
+if TYPE_CHECKING:
+    from bulletin.signing import Signer, TrustPolicy
 
 __all__ = ["Run", "StoredHead", "StoredManifest", "sha256_hex"]
 
@@ -75,7 +88,7 @@ class StoredManifest:
 
 @dataclass(frozen=True, slots=True)
 class StoredHead:
-    head: HeadV1
+    head: Head
     etag: str
 
 
@@ -89,13 +102,28 @@ def verify_object(ref: ObjectRef, data: bytes) -> None:
 
 
 class Run:
-    """A run (``<prefix>/<run>/``) in a store: its head, manifests and data objects."""
+    """A run (``<prefix>/<run>/``) in a store: its head, manifests and data objects.
 
-    def __init__(self, store: Store, name: str, *, max_workers: int = 8) -> None:
+    ``trust``: every head read, and every manifest read by version number, must pass
+    this policy (``UntrustedVersion`` otherwise, raised as it is read). ``signer``:
+    manifests committed and heads moved are signed with it.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        name: str,
+        *,
+        max_workers: int = 8,
+        trust: TrustPolicy | None = None,
+        signer: Signer | None = None,
+    ) -> None:
         self.store = store
         self.name = keyspace.check_run_name(name)
         self.root = keyspace.run_root(name)
         self.max_workers = max_workers
+        self.trust = trust
+        self.signer = signer
 
     def key(self, relative: str) -> str:
         return self.root + relative
@@ -108,7 +136,7 @@ class Run:
             obj = self.store.get(self.key(keyspace.HEAD), max_bytes=MAX_DOCUMENT_BYTES)
         except NotFound:
             return None
-        return StoredHead(parse_head(obj.data, source=self.key(keyspace.HEAD)), obj.etag)
+        return self._head(obj)
 
     def poll_head(self, etag: str | None) -> StoredHead | None:
         """One conditional GET: None when the head is unchanged since ``etag`` (or absent)."""
@@ -118,7 +146,14 @@ class Run:
             return None
         if obj is None:
             return None
-        return StoredHead(parse_head(obj.data, source=self.key(keyspace.HEAD)), obj.etag)
+        return self._head(obj)
+
+    def _head(self, obj: ObjectData) -> StoredHead:
+        source = self.key(keyspace.HEAD)
+        head = parse_head(obj.data, source=source)
+        if self.trust is not None:
+            self.trust.verify_head(self.name, head, source=source)
+        return StoredHead(head, obj.etag)
 
     def advance_head(self, stored: StoredManifest) -> bool:
         """Move the head to ``stored`` unless it already points at it or later.
@@ -126,11 +161,11 @@ class Run:
         Returns True when this call moved it. Compare-and-swap in a loop: a lost race
         re-reads and retries only while the head is still behind.
         """
-        head = HeadV1(
-            run=self.name,
-            version=stored.version,
-            manifest_digest=stored.digest,
-            updated_at=datetime.now(UTC),
+        now = datetime.now(UTC)
+        head: Head = (
+            HeadV1(run=self.name, version=stored.version, manifest_digest=stored.digest, updated_at=now)
+            if self.signer is None
+            else self.signer.sign_head(self.name, stored.version, stored.digest, now)
         )
         data = head.model_dump_json().encode()
         key = self.key(keyspace.HEAD)
@@ -146,16 +181,45 @@ class Run:
                 return True
         raise Conflict(f"{self.name}: the head kept changing under 100 compare-and-swap attempts")
 
+    def refresh_head(self, stored: StoredManifest) -> bool:
+        """Sign the head again with a new ``updated_at``, if it still names ``stored`` (its
+        version and digest): a signing writer's heartbeat, so that readers' staleness bound
+        does not refuse a run whose trainer is only quiet. Returns whether it did; a head
+        naming anything else (a newer version, or something this writer did not write) is
+        left alone, never signed again."""
+        if self.signer is None:
+            raise InvalidInput(f"{self.name}: only a signing writer refreshes the head")
+        key = self.key(keyspace.HEAD)
+        for _ in range(100):
+            current = self.read_head()
+            if current is None or (current.head.version, current.head.manifest_digest) != (
+                stored.version,
+                stored.digest,
+            ):
+                return False
+            head = self.signer.sign_head(self.name, stored.version, stored.digest, datetime.now(UTC))
+            if isinstance(self.store.put_if_match(key, head.model_dump_json().encode(), current.etag), Updated):
+                return True
+        raise Conflict(f"{self.name}: the head kept changing under 100 compare-and-swap attempts")
+
     # -- manifests ---------------------------------------------------------------------
 
-    def read_manifest(self, version: int, *, max_bytes: int = MAX_DOCUMENT_BYTES) -> StoredManifest:
-        """The manifest of ``version``; ``ObjectTooLarge`` over ``max_bytes`` (refused unread)."""
+    def read_manifest(
+        self, version: int, *, max_bytes: int = MAX_DOCUMENT_BYTES, known_digest: str | None = None
+    ) -> StoredManifest:
+        """The manifest of ``version``; ``ObjectTooLarge`` over ``max_bytes`` (refused unread).
+        Under a trust policy, its signature is checked before it is parsed, unless its bytes
+        hash to ``known_digest``: a manifest the caller verified when it took that version
+        (a node's held one), which a key retired since must not make unreadable."""
         key = self._manifest_key(version)
         try:
             obj = self.store.get(key, max_bytes=max_bytes)
         except NotFound:
             raise VersionNotFound(f"{self.name}: version {version} does not exist") from None
-        return self._stored(version, key, obj.data)
+        digest = sha256_hex(obj.data)
+        if self.trust is not None and digest != known_digest:
+            self.trust.verify_manifest(self.name, digest, self.read_signature(digest), source=key)
+        return self._stored(version, key, obj.data, digest)
 
     def read_manifests(self, versions: Sequence[int]) -> list[StoredManifest]:
         """Several manifests, in the order asked: fetched in parallel, a batch of
@@ -169,7 +233,16 @@ class Run:
                 blobs = get_many(self.store, keys, max_workers=self.max_workers, max_bytes=MAX_DOCUMENT_BYTES)
             except NotFound as exc:
                 raise VersionNotFound(f"{self.name}: {exc}") from None
-            out.extend(self._stored(version, key, blobs[key]) for version, key in zip(batch, keys, strict=True))
+            digests = [sha256_hex(blobs[key]) for key in keys]
+            if self.trust is not None:
+                with ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix="bulletin-sig") as pool:
+                    documents = list(pool.map(self.read_signature, digests))
+                for key, digest, document in zip(keys, digests, documents, strict=True):
+                    self.trust.verify_manifest(self.name, digest, document, source=key)
+            out.extend(
+                self._stored(version, key, blobs[key], digest)
+                for version, key, digest in zip(batch, keys, digests, strict=True)
+            )
             del blobs
         return out
 
@@ -184,6 +257,8 @@ class Run:
         ``ObjectTooLarge``, refused unread. The walk ends after a version without a patch
         (nothing older is on any route) and before a missing one (garbage collected).
         Manifests are read ahead in parallel, at most ``_READ_AHEAD_BYTES`` of them.
+        Under a trust policy they need no signature of their own: the digest check ties
+        each to ``child``, whose own signature (or its child's, ...) was checked.
         """
         if child.manifest.patch is None or child.version - 1 < floor:
             return
@@ -228,6 +303,16 @@ class Run:
 
     def _manifest_key(self, version: int) -> str:
         return self.key(keyspace.manifest_key(version))
+
+    def read_signature(self, manifest_digest: str) -> bytes | None:
+        """The bytes of the detached signature of the manifest ``manifest_digest``, or None."""
+        key = self.key(keyspace.signature_key(manifest_digest))
+        try:
+            return self.store.get(key, max_bytes=MAX_SIGNATURE_BYTES).data
+        except NotFound:
+            return None
+        except ObjectTooLarge as exc:
+            raise BadSignature(f"{key}: larger than any signature document: {exc}") from exc
 
     def _stored(self, version: int, key: str, data: bytes, digest: str | None = None) -> StoredManifest:
         manifest = parse_manifest(data, source=key)
@@ -363,6 +448,9 @@ class Run:
         if len(data) > MAX_DOCUMENT_BYTES:
             raise FormatError(f"manifest of {len(data)} bytes exceeds the {MAX_DOCUMENT_BYTES} cap")
         key = self.key(keyspace.manifest_key(manifest.version))
+        digest = sha256_hex(data)
+        if self.signer is not None:
+            self._put_signature(self.signer, digest)  # before the manifest: readers never see it unsigned
         try:
             result = self.store.put_if_absent(key, data)
         except AccessDenied:
@@ -372,7 +460,7 @@ class Run:
         else:
             if isinstance(result, Conflicted):
                 self._settle(manifest, key, data, None)
-        stored = StoredManifest(manifest, sha256_hex(data), len(data))
+        stored = StoredManifest(manifest, digest, len(data))
         try:
             self.advance_head(stored)
         except AccessDenied:
@@ -380,6 +468,19 @@ class Run:
         except StorageUnavailable as exc:
             log.warning("%s: version %d is committed; the head was not moved: %s", self.name, stored.version, exc)
         return stored
+
+    def _put_signature(self, signer: Signer, manifest_digest: str) -> None:
+        """Create the manifest's detached signature. Ed25519 is deterministic, so a commit
+        that runs again (an outcome in doubt) finds exactly its own bytes there."""
+        data = signer.sign_manifest(manifest_digest).model_dump_json().encode()
+        key = self.key(keyspace.signature_key(manifest_digest))
+        if isinstance(self.store.put_if_absent(key, data), Conflicted):
+            try:
+                existing: bytes | None = self.store.get(key, max_bytes=len(data)).data
+            except (NotFound, ObjectTooLarge):
+                existing = None
+            if existing != data:
+                raise Conflict(f"{key}: exists with other content (signed by another key?)")
 
     def _settle(self, manifest: ManifestV1, key: str, data: bytes, failure: StorageUnavailable | None) -> None:
         """Decide a manifest creation that did not plainly succeed by reading it back.

@@ -22,7 +22,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import TracebackType
@@ -30,6 +30,8 @@ from typing import Self
 
 from bulletin.errors import BulletinError, ChainMismatch, ConfigError, RunRewound, VersionNotFound
 from bulletin.run import Run, StoredManifest
+from bulletin.signing import TrustPolicy
+from bulletin.sources import DEFAULT_LAG_GRACE, Sources
 from bulletin.storage import Store, open_store
 from bulletin.sync import SyncReport, check_chain, execute, plan
 from bulletin.target import ArrayTarget, Held, LocalDirTarget, WeightTarget
@@ -84,10 +86,16 @@ class SubscriberStats:
     """Why the last of them was needed."""
 
 
-def _as_store(store: str | os.PathLike[str] | Store) -> Store:
-    if isinstance(store, str | os.PathLike):
-        return open_store(store)
-    return store
+#: A store, by URL or path, or opened.
+StoreLike = str | os.PathLike[str] | Store
+
+
+def _as_stores(stores: StoreLike | Sequence[StoreLike]) -> list[Store]:
+    """One store or several (in preference order), each opened from its URL if need be."""
+    listed: Sequence[StoreLike] = [stores] if isinstance(stores, str | os.PathLike | Store) else stores
+    if not listed:
+        raise ConfigError("a subscriber needs at least one store")
+    return [open_store(s) if isinstance(s, str | os.PathLike) else s for s in listed]
 
 
 class Subscriber:
@@ -101,11 +109,19 @@ class Subscriber:
     A run that no longer continues the version held (rolled back, rewritten, replaced)
     is refused with ``RunRewound`` / ``ChainMismatch``; ``allow_reset=True`` follows it
     instead, from a keyframe (the local copy may then move to an older version).
+
+    ``trust``: take only heads and versions signed by its keys (``UntrustedVersion``
+    otherwise, before anything is downloaded; docs/SECURITY.md).
+
+    ``store`` may be a list: copies of the run (a region's mirror first, then the origin)
+    read in that order, with fallback on errors and on lag (``lag_grace`` seconds; see
+    :mod:`bulletin.sources`). Every manifest, from whichever store, must continue the
+    chain held.
     """
 
     def __init__(
         self,
-        store: str | os.PathLike[str] | Store,
+        store: StoreLike | Sequence[StoreLike],
         run: str,
         local_dir: str | os.PathLike[str] | None = None,
         *,
@@ -113,10 +129,12 @@ class Subscriber:
         max_workers: int = 8,
         on_bytes: Callable[[int], None] | None = None,
         allow_reset: bool = False,
+        trust: TrustPolicy | None = None,
+        lag_grace: float = DEFAULT_LAG_GRACE,
     ) -> None:
         if local_dir is not None and target is not None:
             raise ConfigError("give either local_dir or target, not both")
-        self._run = Run(_as_store(store), run, max_workers=max_workers)
+        self._sources = Sources(_as_stores(store), run, max_workers=max_workers, trust=trust, lag_grace=lag_grace)
         if target is None:
             target = LocalDirTarget(Path(local_dir), run=run) if local_dir is not None else ArrayTarget()
         self.target: WeightTarget = target
@@ -125,7 +143,6 @@ class Subscriber:
         # checked against, never a base to patch (the next route starts at a keyframe).
         self._damaged: Held | None = None
         self.allow_reset = allow_reset
-        self._head_etag: str | None = None
         self._head_version: int | None = None
         self._head_digest: str | None = None
         self._lock = threading.Lock()
@@ -134,12 +151,17 @@ class Subscriber:
 
     @property
     def run(self) -> str:
-        return self._run.name
+        return self._sources.name
 
     @property
     def source(self) -> Run:
-        """The run this subscriber reads, in its store."""
-        return self._run
+        """The run this subscriber reads, in its (first) store."""
+        return self._sources.runs[0]
+
+    @property
+    def sources(self) -> Sources:
+        """Every store this subscriber reads the run from, in preference order."""
+        return self._sources
 
     @property
     def current_version(self) -> int | None:
@@ -154,11 +176,12 @@ class Subscriber:
         return self._held
 
     def head_version(self) -> int | None:
-        """The run's newest version per its head: one conditional GET, tiny when unchanged."""
+        """The run's newest version per its head: one conditional GET, tiny when unchanged
+        (with several stores, of the first one's head, the others' now and then:
+        :meth:`Sources.poll`)."""
         self.stats.polls += 1
-        polled = self._run.poll_head(self._head_etag)
+        polled = self._sources.poll()
         if polled is not None:
-            self._head_etag = polled.etag
             self._head_version = polled.head.version
             self._head_digest = polled.head.manifest_digest
         return self._head_version
@@ -178,7 +201,7 @@ class Subscriber:
 
     def _target_manifest(self, version: int | None) -> StoredManifest:
         if version is None:
-            tip = self._run.tip()
+            tip = self._sources.tip()
             held = self._held or self._damaged
             if tip is None and held is not None:
                 raise RunRewound(f"{self.run}: version {held.version} held here, but the run has no version left")
@@ -187,7 +210,7 @@ class Subscriber:
             return tip
         if not isinstance(version, int) or isinstance(version, bool) or version < 1:
             raise ConfigError(f"version must be a positive integer, not {version!r}")
-        return self._run.read_manifest(version)
+        return self._sources.read_manifest(version)
 
     def _activated(self, stored: StoredManifest) -> None:
         self._held = Held.at(stored)
@@ -214,7 +237,7 @@ class Subscriber:
         if held is None:
             return None
         try:
-            check_chain(self._run, held, stored, tip=tip)
+            check_chain(self._sources, held, stored, tip=tip)
         except ChainMismatch as exc:
             if not self.allow_reset:
                 raise
@@ -228,9 +251,9 @@ class Subscriber:
         try:
             stored = self._target_manifest(version)
             base = self._base(stored, tip=version is None)
-            route = plan(self._run, stored, base)
+            route = plan(self._sources, stored, base)
             report = execute(
-                self._run,
+                self._sources,
                 route,
                 self.target,
                 base,
@@ -310,7 +333,7 @@ class Subscriber:
                 return report
             try:
                 try:
-                    self._run.read_manifest(held.version)
+                    self._sources.read_manifest(held.version)
                     version: int | None = held.version
                 except VersionNotFound:
                     version = None  # garbage-collected: repair to the newest version instead

@@ -5,13 +5,16 @@ against its child's digest before it is parsed, only as far as a route needs);
 executing downloads what the plan needs, checks every byte (sizes and SHA-256 against
 the manifests, every shard header against its manifest and the layout held before any
 payload is decoded, the format), decodes and folds the transitions, and only then
-touches the target. The target
+touches the target. ``run`` is what the manifests and objects are read from: one
+:class:`~bulletin.run.Run`, or several stores holding copies of the run
+(:class:`~bulletin.sources.Sources`, the same reads with fallback). The target
 checks base fingerprints, applies in place and verifies the result; the version
 becomes current only when it matches the manifest's fingerprints exactly.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -30,15 +33,20 @@ from bulletin.errors import (
     VersionNotFound,
     WrongBase,
 )
-from bulletin.run import Run, StoredManifest
+from bulletin.run import StoredManifest
+from bulletin.sources import Reader
 from bulletin.target import Held, WeightTarget
+from patcher.compression import CONTEXT_CODEC
 from patcher.decode import decode_views, shard_views
 from patcher.fingerprint import fingerprint, format_fingerprint
 from patcher.fold import fold
-from patcher.format import DEFAULT_LIMITS, TensorInfo
-from patcher.patch import TensorSpec, check_layout
+from patcher.format import DEFAULT_LIMITS, ShardHeader, TensorInfo
+from patcher.patch import Patch, TensorSpec, check_layout
+from schemas.manifest import PatchRefV2
 
 __all__ = ["SyncPlan", "SyncReport", "check_chain", "execute", "plan"]
+
+log = logging.getLogger("bulletin.sync")
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +78,7 @@ class SyncReport:
     apply_s: float = 0.0
 
 
-def check_chain(run: Run, held: Held, target: StoredManifest, *, tip: bool) -> None:
+def check_chain(run: Reader, held: Held, target: StoredManifest, *, tip: bool) -> None:
     """Refuse a run that no longer continues ``held``: no silent downgrade or chain switch.
 
     ``target`` is the version a sync is about to reach, ``tip`` whether it is the run's
@@ -96,7 +104,7 @@ def check_chain(run: Run, held: Held, target: StoredManifest, *, tip: bool) -> N
         stored = target
     else:
         try:
-            stored = run.read_manifest(held.version)
+            stored = run.read_manifest(held.version, known_digest=held.manifest_digest)
         except VersionNotFound:
             versions = run.versions()
             if not versions or versions[-1] < held.version:
@@ -140,7 +148,7 @@ def _from_keyframe(target: StoredManifest, chain: Sequence[StoredManifest], k: i
     return SyncPlan(target, chain[k], tuple(reversed(chain[:k])))
 
 
-def plan(run: Run, target: StoredManifest, held: Held | None) -> SyncPlan:
+def plan(run: Reader, target: StoredManifest, held: Held | None) -> SyncPlan:
     """Choose the cheapest verified route from ``held`` to ``target``.
 
     Manifests are read down the chain from ``target`` (:meth:`Run.ancestors`: each one
@@ -193,7 +201,7 @@ def plan(run: Run, target: StoredManifest, held: Held | None) -> SyncPlan:
 
 
 def _keyframe_tensors(
-    run: Run, stored: StoredManifest, on_bytes: Callable[[int], None] | None
+    run: Reader, stored: StoredManifest, on_bytes: Callable[[int], None] | None
 ) -> tuple[dict[str, NDArray[np.unsignedinteger]], int]:
     ref = stored.manifest.keyframe
     if ref is None:
@@ -219,7 +227,12 @@ def _keyframe_tensors(
     return out, sum(len(b) for b in blobs)
 
 
-def _check_transition(stored: StoredManifest, parent_fps: Mapping[str, int], infos: Mapping[str, TensorInfo]) -> None:
+def _check_transition(
+    stored: StoredManifest,
+    parent_fps: Mapping[str, int],
+    infos: Mapping[str, TensorInfo],
+    headers: Sequence[ShardHeader],
+) -> None:
     """The patch's headers describe the manifest's transition: its layout (so every size they
     declare is bounded by the real tensors), from the parent's fingerprints to its own, with
     as many changes as it says. Checked before any payload is decompressed."""
@@ -239,12 +252,42 @@ def _check_transition(stored: StoredManifest, parent_fps: Mapping[str, int], inf
             raise FingerprintMismatch(
                 f"version {stored.version}: patch of {name!r} does not match the manifests' fingerprints"
             )
+    codecs = {h.codec for h in headers}
+    if manifest.patch is not None and codecs != {manifest.patch.codec}:
+        raise FormatError(
+            f"version {stored.version}: the patch's shards are coded with {sorted(codecs)}, "
+            f"its manifest says {manifest.patch.codec}"
+        )
     changed = sum(info.changed for info in infos.values())
     if manifest.patch is not None and changed != manifest.patch.changed_elements:
         raise FormatError(
             f"version {stored.version}: the patch's headers count {changed} changed elements, "
             f"its manifest {manifest.patch.changed_elements}"
         )
+
+
+def _context_coded(steps: Sequence[StoredManifest]) -> bool:
+    """Whether any of these versions' patches decodes against its base (FORMAT.md 3.15)."""
+    return any(isinstance(step.manifest.patch, PatchRefV2) and step.manifest.patch.context for step in steps)
+
+
+def _decode_route(
+    checked: Sequence[tuple[list[memoryview], list[ShardHeader], dict[str, TensorInfo]]],
+    context: Mapping[str, NDArray[np.unsignedinteger]] | None,
+    held_fps: Mapping[str, int],
+) -> Patch:
+    """The transitions of a route, decoded and folded into one patch. A context-coded one
+    decodes against ``context`` (the bits held, whose record is ``held_fps``) read through
+    the fold of the transitions before it, which are not applied yet."""
+    folded: Patch | None = None
+    pending: list[Patch] = []
+    for views, headers, infos in checked:
+        if pending and any(h.codec == CONTEXT_CODEC for h in headers):
+            folded = fold([folded, *pending] if folded is not None else pending)
+            pending = []
+        pending.append(decode_views(views, headers, infos, base=context, base_fingerprints=held_fps, pending=folded))
+    everything = [folded, *pending] if folded is not None else pending
+    return fold(everything) if len(everything) > 1 else everything[0]
 
 
 def _check_held_layout(step: StoredManifest, layout: Mapping[str, TensorSpec] | None) -> None:
@@ -272,7 +315,7 @@ def _apply_and_activate(target: WeightTarget, stored: StoredManifest, apply: Cal
 
 
 def execute(
-    run: Run,
+    run: Reader,
     sync_plan: SyncPlan,
     target: WeightTarget,
     held: Held | None,
@@ -291,11 +334,27 @@ def execute(
     that fails on a target that cannot restore loads (``restores_loads`` false) calls
     ``on_lost``: ``held`` is no longer what the target holds, and must not be reported.
     """
+    if (
+        sync_plan.keyframe is None
+        and held is not None
+        and _context_coded(sync_plan.patches)
+        and target.context_bits() is None
+    ):
+        # The patches decode against the bits held, which this target cannot show: start
+        # from a keyframe instead, whose bits this sync downloads and decodes them against.
+        log.warning(
+            "%s: %s cannot show its bits to decode context-coded patches against; syncing from a keyframe",
+            run.name,
+            type(target).__name__,
+        )
+        sync_plan = plan(run, sync_plan.target, None)
     report = SyncReport(held.version if held else None, sync_plan.target.version)
     current = held
+    keyframe_bits: Mapping[str, NDArray[np.unsignedinteger]] | None = None
     if sync_plan.keyframe is not None:
         t0 = time.perf_counter()
         tensors, nbytes = _keyframe_tensors(run, sync_plan.keyframe, on_bytes)
+        keyframe_bits = tensors
         report.download_s += time.perf_counter() - t0
         report.bytes_downloaded += nbytes
         t1 = time.perf_counter()
@@ -338,7 +397,7 @@ def execute(
     parent_fps: Mapping[str, int] = held_fps
     for step, count in zip(sync_plan.patches, counts, strict=True):
         views, headers, infos = shard_views(blobs[position : position + count], DEFAULT_LIMITS)
-        _check_transition(step, parent_fps, infos)
+        _check_transition(step, parent_fps, infos, headers)
         checked.append((views, headers, infos))
         position += count
         parent_fps = step.manifest.fingerprints
@@ -352,11 +411,10 @@ def execute(
         t2 = time.perf_counter()
         _apply_and_activate(target, sync_plan.target, lambda: target.apply_shards(blobs, held_fps))
     else:
-        patches = [decode_views(views, headers, infos) for views, headers, infos in checked]
+        folded = _decode_route(checked, target.context_bits() or keyframe_bits, held_fps)
         del checked
-        folded = fold(patches) if len(patches) > 1 else patches[0]
         report.decode_s = time.perf_counter() - t1
-        report.transitions = len(patches)
+        report.transitions = len(sync_plan.patches)
         report.changed_elements = folded.changed_elements
         t2 = time.perf_counter()
         _apply_and_activate(target, sync_plan.target, lambda: target.apply(folded, held_fps))

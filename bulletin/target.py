@@ -58,7 +58,8 @@ from bulletin.fileio import atomic_file, fsync_dir, local_error, os_errors, stag
 from bulletin.keyspace import check_run_name
 from patcher.apply import apply as apply_patch
 from patcher.apply_shards import apply_shards
-from patcher.decode import decode
+from patcher.compression import CONTEXT_CODEC
+from patcher.decode import decode, read_shard_header
 from patcher.fingerprint import fingerprint, format_fingerprint, parse_fingerprint
 from patcher.patch import Patch, TensorSpec
 from schemas.common import parse_document
@@ -161,6 +162,13 @@ class WeightTarget(ABC):
         """As :meth:`apply` for the patch that ``shards`` encode, without decoding it first."""
         raise InvalidInput(f"{type(self).__name__} cannot apply from shards (supports_shards is False)")
 
+    def context_bits(self) -> Mapping[str, Bits] | None:
+        """Host arrays of the bits held now (read them only), by tensor name: the base that
+        context-coded patches (docs/FORMAT.md 3.15) are decoded against. Default None, for
+        bits that live elsewhere (a GPU engine): sync then takes a keyframe route and
+        decodes against the keyframe's bits, which it downloaded."""
+        return None
+
     @abstractmethod
     def full_fingerprints(self) -> dict[str, int]:
         """Recompute every tensor's fingerprint from the bits held (staged ones included)."""
@@ -248,9 +256,17 @@ class ArrayTarget(WeightTarget):
         return new
 
     def apply_shards(self, shards: Sequence[bytes], fingerprints: Mapping[str, int]) -> dict[str, int]:
+        if any(read_shard_header(shard).codec == CONTEXT_CODEC for shard in shards):
+            # abort undoes applied shards by decoding them again, which a context-coded
+            # patch cannot do once its base is gone: decode it now, against the base.
+            patch = decode(shards, specs=self._held_specs(), base=self.arrays, base_fingerprints=fingerprints)
+            return self.apply(patch, fingerprints)
         new = apply_shards(shards, self.arrays, fingerprints, specs=self._held_specs())  # restores on failure
         self._applied.append(shards)
         return new
+
+    def context_bits(self) -> Mapping[str, Bits] | None:
+        return self.arrays if self.specs is not None else None
 
     def full_fingerprints(self) -> dict[str, int]:
         return {name: fingerprint(bits) for name, bits in self.arrays.items()}
@@ -627,6 +643,12 @@ class LocalDirTarget(WeightTarget):
         with atomic_file(self.dir / self.UNDO) as fh:  # the temp file goes on failure
             np.savez(fh, **undo)
         write_atomic(self.dir / self.JOURNAL, [journal.model_dump_json().encode()])
+
+    def context_bits(self) -> Mapping[str, Bits] | None:
+        if self._pending is None and self._checkpoint is None:
+            return None
+        _, ckpt = self._working()
+        return {name: ckpt.bits(name) for name in ckpt.specs}
 
     def full_fingerprints(self) -> dict[str, int]:
         if self._pending is None and self._checkpoint is None:

@@ -2,28 +2,33 @@
 
 They only look at ``dtype``, ``shape``, ``ndim``, ``size`` and ``flags``, which NumPy and
 CuPy arrays both have, so the two backends refuse exactly the same inputs with the
-same errors.
+same errors. :func:`check_select_order` alone reads values, through the array module
+it is given (NumPy, or CuPy on the device).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from patcher.cast import CastKind, cast_kind
 from patcher.dtypes import BITS_DTYPES, bits_dtype
-from patcher.errors import IncompatibleTensors, InvalidInput, WrongBase
+from patcher.errors import FormatError, IncompatibleTensors, InvalidInput, WrongBase
 from patcher.patch import Patch, check_names
 
 __all__ = [
+    "ClassField",
     "check_apply",
+    "check_apply_ranks",
     "check_bits",
     "check_diff_cast",
     "check_disjoint",
     "check_gaps",
     "check_patch_targets",
+    "check_select_order",
+    "check_select_ranks",
 ]
 
 _INT64 = np.dtype(np.int64)
@@ -103,3 +108,65 @@ def check_patch_targets(patch: Patch, tensors: Mapping[str, Any], fingerprints: 
         if held != td.base_fingerprint:
             shown = "unknown" if held is None else f"{held:016x}"
             raise WrongBase(f"{name}: patch expects base {td.base_fingerprint:016x}, holder has {shown}")
+
+
+class ClassField(NamedTuple):
+    """How select_ranks classes an element's bits b: ``clip(((b >> shift) & mask) - lo,
+    0, classes - 1)`` (``patcher.context.element_classes``; mask 0 for dtypes without
+    an exponent field)."""
+
+    shift: int
+    mask: int
+    lo: int
+    classes: int
+
+
+def check_select_ranks(
+    base: Any, dtype: str, window: Any, start: int, stop: int, classes: Any, ranks: Any
+) -> ClassField:
+    """Arguments of ``select_ranks`` but the query values (:func:`check_select_order`,
+    and the ranks against the class counts, which each backend checks as it counts)."""
+    from patcher.context import EXPONENT_FIELDS, check_window
+
+    check_bits(base, "base", dtype=dtype)
+    check_window(dtype, window)
+    for value, what in ((start, "start"), (stop, "stop")):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise InvalidInput(f"{what} must be an int, got {value!r}")
+    if not 0 <= start <= stop <= base.size:
+        raise InvalidInput(f"element range [{start}, {stop}) is not within the tensor's {base.size} elements")
+    if classes.dtype != np.uint8 or classes.ndim != 1 or not classes.flags.c_contiguous:
+        raise InvalidInput(f"classes must be a contiguous 1-d uint8 array, got {classes.ndim}-d {classes.dtype}")
+    if ranks.dtype != _INT64 or ranks.ndim != 1 or not ranks.flags.c_contiguous:
+        raise InvalidInput(f"ranks must be a contiguous 1-d int64 array, got {ranks.ndim}-d {ranks.dtype}")
+    if classes.size != ranks.size:
+        raise InvalidInput(f"{classes.size} classes but {ranks.size} ranks")
+    shift, width = EXPONENT_FIELDS.get(dtype, (0, 0))
+    return ClassField(shift, (1 << width) - 1, window.lo, window.classes)
+
+
+def check_apply_ranks(
+    bits: Any, dtype: str, window: Any, start: int, stop: int, classes: Any, ranks: Any, delta: Any
+) -> ClassField:
+    """Arguments of ``apply_ranks``: those of ``select_ranks`` on writable ``bits``, and
+    one delta of the bits' dtype per query."""
+    field = check_select_ranks(bits, dtype, window, start, stop, classes, ranks)
+    check_bits(bits, "bits", writable=True)
+    if delta.dtype != bits.dtype or delta.ndim != 1 or not delta.flags.c_contiguous:
+        raise InvalidInput(f"delta must be a contiguous 1-d {bits.dtype} array, got {delta.ndim}-d {delta.dtype}")
+    if delta.size != ranks.size:
+        raise InvalidInput(f"{ranks.size} ranks but {delta.size} deltas")
+    return field
+
+
+def check_select_order(xp: Any, classes: Any, ranks: Any, n_classes: int) -> None:
+    """The queries of ``select_ranks`` are as an entropy decoder yields them: classes
+    below ``n_classes`` and non-decreasing, ranks non-negative and strictly increasing
+    within a class. ``FormatError`` otherwise (they come from a shard's streams)."""
+    if classes.size == 0:
+        return
+    c0, c1, r0, r1 = classes[:-1], classes[1:], ranks[:-1], ranks[1:]
+    if bool(xp.any(classes >= n_classes)) or bool(xp.any(ranks < 0)):
+        raise FormatError(f"a decoded class is not below {n_classes} or a rank is negative")
+    if bool(xp.any((c1 < c0) | ((c1 == c0) & (r1 <= r0)))):
+        raise FormatError("decoded (class, rank) pairs are not in class-major, rank-increasing order")

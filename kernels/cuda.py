@@ -32,17 +32,21 @@ from typing import Any, Final, NamedTuple, Protocol
 import numpy as np
 
 from kernels._checks import (
+    ClassField,
     check_apply,
+    check_apply_ranks,
     check_bits,
     check_diff_cast,
     check_disjoint,
     check_gaps,
     check_patch_targets,
+    check_select_order,
+    check_select_ranks,
 )
-from kernels.types import BitsArray, IndexArray, IntArray
+from kernels.types import BitsArray, ClassArray, ClassWindowLike, IndexArray, IntArray
 from patcher.cast import CastKind, cast_kind
 from patcher.dtypes import bits_dtype
-from patcher.errors import InvalidInput, VerificationFailed
+from patcher.errors import FormatError, InvalidInput, VerificationFailed
 from patcher.patch import Change, Patch
 
 __all__ = [
@@ -50,11 +54,13 @@ __all__ = [
     "KERNEL_DIR",
     "KERNEL_ENTRIES",
     "KERNEL_FILES",
+    "SELECT_TILE_ELEMENTS",
     "TILE_ELEMENTS",
     "DiffPlan",
     "Runtime",
     "apply",
     "apply_delta",
+    "apply_ranks",
     "cast",
     "decode_gaps",
     "diff_cast",
@@ -62,11 +68,13 @@ __all__ = [
     "kernel_source",
     "plan_diff",
     "plan_fingerprint",
+    "select_ranks",
 ]
 
 KERNEL_DIR: Final = Path(__file__).resolve().parent
 #: The kernel sources, by module name (kernels/<name>.cu).
-KERNEL_FILES: Final = ("apply", "cast", "diff", "fingerprint")
+KERNEL_FILES: Final = ("apply", "cast", "diff", "fingerprint", "select")
+_SUFFIXES: Final = ("u8", "u16", "u32", "u64")
 #: The kernels each file defines (extern "C"), all launched from this module.
 KERNEL_ENTRIES: Final[dict[str, tuple[str, ...]]] = {
     "apply": ("check_indices", "apply_u8", "apply_u16", "apply_u32", "apply_u64"),
@@ -77,11 +85,14 @@ KERNEL_ENTRIES: Final[dict[str, tuple[str, ...]]] = {
         for step in ("mark", "emit")
     ),
     "fingerprint": ("fingerprint_u8", "fingerprint_u16", "fingerprint_u32", "fingerprint_u64"),
+    "select": tuple(f"{step}_{suffix}" for suffix in _SUFFIXES for step in ("class_counts", "select", "apply_ranks")),
 }
 #: Threads per block; every kernel is written for exactly this (kernels/common.cuh).
 BLOCK: Final = 256
 #: Elements per tile of diff_cast: 256 threads x 4 groups x 8 elements (kernels/diff.cu).
 TILE_ELEMENTS: Final = 8192
+#: Elements per tile of select_ranks: 256 threads x 8 rounds (kernels/select.cu).
+SELECT_TILE_ELEMENTS: Final = 2048
 _TILE_MASK_BYTES: Final = TILE_ELEMENTS // 8
 _MAX_GRID: Final = (1 << 31) - 1
 _SUFFIX: Final = {1: "u8", 2: "u16", 4: "u32", 8: "u64"}
@@ -278,6 +289,45 @@ def fingerprint(bits: BitsArray) -> int:
     return _fingerprint(_runtime_of(b), b)
 
 
+def select_ranks(
+    base: BitsArray,
+    dtype: str,
+    window: ClassWindowLike,
+    start: int,
+    stop: int,
+    classes: ClassArray,
+    ranks: IndexArray,
+) -> IndexArray:
+    """Flat indices of (class, rank) queries over the base's exponent classes, on the
+    device; see ``numpy_twin.select_ranks``. Two passes over ``base[start:stop]``
+    (kernels/select.cu); the queries' order and ranks are checked on the device first."""
+    b = _device_array(base, "base")
+    c = _device_array(classes, "classes")
+    r = _device_array(ranks, "ranks")
+    field = check_select_ranks(b, dtype, window, start, stop, c, r)
+    return _select_ranks(_runtime_of(b, c, r), b, field, start, stop, c, r)
+
+
+def apply_ranks(
+    bits: BitsArray,
+    dtype: str,
+    window: ClassWindowLike,
+    start: int,
+    stop: int,
+    classes: ClassArray,
+    ranks: IndexArray,
+    delta: BitsArray,
+) -> int:
+    """``select_ranks`` fused with the scatter-add of ``apply_delta``, in place on the
+    device; see ``numpy_twin.apply_ranks``. Everything is checked before the first write."""
+    b = _device_array(bits, "bits")
+    c = _device_array(classes, "classes")
+    r = _device_array(ranks, "ranks")
+    d = _device_array(delta, "delta")
+    field = check_apply_ranks(b, dtype, window, start, stop, c, r, d)
+    return _apply_ranks(_runtime_of(b, c, r, d), b, field, start, stop, c, r, d)
+
+
 def apply(patch: Patch, tensors: Mapping[str, BitsArray], fingerprints: Mapping[str, int]) -> dict[str, int]:
     """Apply a whole patch in place to device bits arrays; the GPU twin of ``patcher.apply``.
 
@@ -373,6 +423,72 @@ def _fingerprint(rt: Runtime, bits: Any) -> int:
         grid = _grid((n - head) // 8, rt.sm_count())
         rt.launch("fingerprint", f"fingerprint_{_SUFFIX[width]}", grid, (bits, np.uint64(n), np.uint64(head), out))
         return int(out[0])
+
+
+class _SelectPlan(NamedTuple):
+    """How pass 2 of select_ranks / apply_ranks launches (kernels/select.cu)."""
+
+    suffix: str
+    tiles: int
+    #: Its arguments up to, not including, its outputs.
+    args: tuple[Any, ...]
+
+
+def _select_plan(
+    rt: Runtime, base: Any, field: ClassField, start: int, stop: int, classes: Any, ranks: Any
+) -> _SelectPlan | None:
+    """Pass 1 and the host-side steps of select_ranks: None when there are no queries.
+    Every check is done when this returns."""
+    xp = rt.xp
+    m, n, k = int(ranks.size), stop - start, field.classes
+    if m == 0:
+        return None
+    check_select_order(xp, classes, ranks, k)
+    if n == 0:
+        raise FormatError(f"{m} ranks in an empty element range")
+    tiles = -(-n // SELECT_TILE_ELEMENTS)
+    if tiles > _MAX_GRID:
+        raise InvalidInput(f"an element range of {n} is too large for one launch")
+    flat = base.reshape(-1)
+    suffix = _SUFFIX[flat.dtype.itemsize]
+    common: tuple[Any, ...] = (flat, np.uint64(start), np.uint64(n), np.uint32(field.shift))
+    common += (np.uint64(field.mask), np.int64(field.lo), np.uint32(k), np.uint64(tiles))
+    counts = xp.empty(k * tiles, dtype=np.uint32)
+    rt.launch("select", f"class_counts_{suffix}", tiles, (*common, counts))
+    # offsets[c, t]: elements of class c in the tiles before t (row c ends with c's total).
+    offsets = xp.zeros((k, tiles + 1), dtype=np.int64)
+    offsets[:, 1:] = xp.cumsum(counts.reshape(k, tiles), axis=1, dtype=np.int64)
+    totals = offsets[:, -1]
+    if bool(xp.any(ranks >= totals[classes.astype(np.int64)])):
+        raise FormatError(f"a rank is not below the count of its class in [{start}, {stop})")
+    # bounds[c, t]: the first query of class c whose rank is in tile t or later (the
+    # queries of class c are one run, ranks increasing: classes are sorted).
+    runs = xp.searchsorted(classes, xp.arange(k + 1, dtype=np.uint8)).tolist()
+    bounds = xp.empty((k, tiles + 1), dtype=np.int64)
+    for c in range(k):
+        bounds[c] = xp.searchsorted(ranks[runs[c] : runs[c + 1]], offsets[c]) + runs[c]
+    return _SelectPlan(suffix, tiles, (*common, offsets, bounds, ranks))
+
+
+def _select_ranks(rt: Runtime, base: Any, field: ClassField, start: int, stop: int, classes: Any, ranks: Any) -> Any:
+    with rt.activate():
+        plan = _select_plan(rt, base, field, start, stop, classes, ranks)
+        out = rt.xp.empty(int(ranks.size), dtype=np.int64)
+        if plan is not None:
+            rt.launch("select", f"select_{plan.suffix}", plan.tiles, (*plan.args, out))
+        return out
+
+
+def _apply_ranks(
+    rt: Runtime, bits: Any, field: ClassField, start: int, stop: int, classes: Any, ranks: Any, delta: Any
+) -> int:
+    with rt.activate():
+        plan = _select_plan(rt, bits, field, start, stop, classes, ranks)
+        if plan is None:
+            return 0
+        fp = rt.xp.zeros(1, dtype=np.uint64)
+        rt.launch("select", f"apply_ranks_{plan.suffix}", plan.tiles, (*plan.args, delta, fp))
+        return int(fp[0]) & _MASK64
 
 
 def _apply_patch(runtimes: Mapping[str, Runtime], patch: Patch, arrays: Mapping[str, Any]) -> dict[str, int]:

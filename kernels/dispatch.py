@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Final, Protocol, cast
 
 import numpy as np
 
-from kernels.types import BitsArray, IndexArray, IntArray
+from kernels.types import BitsArray, ClassArray, ClassWindowLike, IndexArray, IntArray
 from patcher.dtypes import BITS_DTYPES
 from patcher.errors import InvalidInput, UnsupportedDtype
 from patcher.patch import Change, Patch
@@ -45,6 +45,29 @@ class Backend(Protocol):
     def apply(
         self, patch: Patch, tensors: Mapping[str, BitsArray], fingerprints: Mapping[str, int]
     ) -> dict[str, int]: ...
+
+    def apply_ranks(
+        self,
+        bits: BitsArray,
+        dtype: str,
+        window: ClassWindowLike,
+        start: int,
+        stop: int,
+        classes: ClassArray,
+        ranks: IndexArray,
+        delta: BitsArray,
+    ) -> int: ...
+
+    def select_ranks(
+        self,
+        base: BitsArray,
+        dtype: str,
+        window: ClassWindowLike,
+        start: int,
+        stop: int,
+        classes: ClassArray,
+        ranks: IndexArray,
+    ) -> IndexArray: ...
 
 
 #: torch / NumPy / CuPy dtype name (``torch.`` prefix removed) -> safetensors name.

@@ -17,13 +17,16 @@ from numpy.typing import NDArray
 
 from kernels._checks import (
     check_apply,
+    check_apply_ranks,
     check_bits,
     check_diff_cast,
     check_disjoint,
     check_gaps,
     check_patch_targets,
+    check_select_order,
+    check_select_ranks,
 )
-from kernels.types import BitsArray, IndexArray, IntArray
+from kernels.types import BitsArray, ClassArray, ClassWindowLike, IndexArray, IntArray
 from patcher.apply import apply as _apply_patch
 from patcher.cast import cast_bits
 from patcher.diff import diff_bits
@@ -33,7 +36,17 @@ from patcher.fingerprint import fingerprint as _fingerprint
 from patcher.fingerprint_update import fingerprint_change
 from patcher.patch import Change, Patch
 
-__all__ = ["CHUNK_ELEMENTS", "apply", "apply_delta", "cast", "decode_gaps", "diff_cast", "fingerprint"]
+__all__ = [
+    "CHUNK_ELEMENTS",
+    "apply",
+    "apply_delta",
+    "apply_ranks",
+    "cast",
+    "decode_gaps",
+    "diff_cast",
+    "fingerprint",
+    "select_ranks",
+]
 
 #: Elements per step of diff_cast and apply_delta.
 CHUNK_ELEMENTS: Final = 1 << 20
@@ -147,6 +160,66 @@ def fingerprint(bits: BitsArray) -> int:
     b = _numpy(bits, "bits")
     check_bits(b, "bits")
     return _fingerprint(b)
+
+
+def select_ranks(
+    base: BitsArray,
+    dtype: str,
+    window: ClassWindowLike,
+    start: int,
+    stop: int,
+    classes: ClassArray,
+    ranks: IndexArray,
+) -> IndexArray:
+    """The flat index of each (class, rank) query: ``patcher.context.select_ranks``.
+
+    ``base`` holds the tensor's bits (any shape, read flat); ``window`` its exponent
+    classes; each query asks for the ``rank``-th (0-based) element of class ``class``
+    in ``[start, stop)``. Queries come as the context codec's entropy decoder yields
+    them (uint8 classes non-decreasing, int64 ranks strictly increasing within a class)
+    and the indices are returned in the same order (int64). ``FormatError`` for queries
+    out of that order or past the count of their class; ``InvalidInput`` for bad
+    arguments.
+    """
+    from patcher.context import ClassWindow
+    from patcher.context import select_ranks as _select_ranks
+
+    b, c, r = _numpy(base, "base"), _numpy(classes, "classes"), _numpy(ranks, "ranks")
+    check_select_ranks(b, dtype, window, start, stop, c, r)
+    check_select_order(np, c, r, window.classes)
+    own = ClassWindow(window.lo, window.classes)
+    indices: NDArray[np.int64] = _select_ranks(b.reshape(-1), dtype, own, start, stop, c, r)
+    return indices
+
+
+def apply_ranks(
+    bits: BitsArray,
+    dtype: str,
+    window: ClassWindowLike,
+    start: int,
+    stop: int,
+    classes: ClassArray,
+    ranks: IndexArray,
+    delta: BitsArray,
+) -> int:
+    """Add ``delta`` (wrapping) at the elements :func:`select_ranks` finds for the queries,
+    in place; return the fingerprint change (mod 2**64). What a GPU decode of the
+    context codec does with the decoded (class, rank, delta) of an entry in one pass.
+
+    ``bits`` (writable) is the base the ranks count in; ``delta`` one value of its dtype
+    per query, in the queries' order. Every check, and every index, is done before the
+    first write, so bad input changes nothing.
+    """
+    b, c = _numpy(bits, "bits"), _numpy(classes, "classes")
+    r, d = _numpy(ranks, "ranks"), _numpy(delta, "delta")
+    check_apply_ranks(b, dtype, window, start, stop, c, r, d)
+    indices = select_ranks(b, dtype, window, start, stop, c, r)
+    flat = b.reshape(-1)
+    old = flat[indices]
+    new = old + d  # unsigned arrays wrap, as intended
+    fp = fingerprint_change(indices, old, new)
+    flat[indices] = new
+    return fp & _MASK64
 
 
 def apply(patch: Patch, tensors: Mapping[str, BitsArray], fingerprints: Mapping[str, int]) -> dict[str, int]:

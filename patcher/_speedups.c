@@ -21,6 +21,7 @@
 #include <Python.h>
 
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__GNUC__) || defined(__clang__)
@@ -971,6 +972,1165 @@ done:
     return result;
 }
 
+/* -- context codec (docs/FORMAT.md 3.15; patcher/rangecoder.py, context_model.py, context.py) --
+ *
+ * The range coder, the model of an entry's changes and the two scans over the base
+ * (ranks of the changed elements for the encoder; rank -> index, fused with the scatter
+ * of an apply, for the decoder). The Python modules named above define every result;
+ * these are their compiled twins, held to the same bytes by tests. */
+
+/* The flat table of contexts (patcher/context_model.py). */
+#define CTX_MORE 0
+#define CTX_GAP_LONGER 32
+#define CTX_GAP_UP 132
+#define CTX_GAP_DOWN 164
+#define CTX_GAP_BITS 1064
+#define CTX_DELTA 1316
+#define CTX_DELTA_SLOTS 24
+#define CTX_DTYPES 15
+#define CTX_COUNT (CTX_DELTA + CTX_DTYPES * 256 * CTX_DELTA_SLOTS)
+#define CTX_MAX_CLASSES 16
+#define MAX_GAP_BITS 63
+#define GAP_SUM_CAP (1ULL << 32)
+#define GAP_WINDOW 64
+#define RC_TOP (1U << 24)
+/* Fields of an entry's row in the meta array (int64). */
+#define META_FIELDS 7
+enum { M_COUNT, M_LO, M_CLASSES, M_DTYPE, M_WIDTH, M_EBITS, M_EXTRA };
+
+typedef struct {
+    uint16_t p;
+    uint8_t n;
+} Ctx;
+
+static uint8_t ctx_shift[256];
+
+static void ctx_init_shifts(void) {
+    for (int n = 0; n < 256; n++) {
+        int b = 0;
+        for (unsigned v = (unsigned)n + 2; v; v >>= 1) b++;
+        ctx_shift[n] = (uint8_t)(b - 1 < 7 ? b - 1 : 7);
+    }
+}
+
+static Ctx *ctx_table(void) {
+    ctx_init_shifts();
+    Ctx *t = malloc(sizeof(Ctx) * CTX_COUNT);
+    if (t == NULL) return NULL;
+    for (int i = 0; i < CTX_COUNT; i++) {
+        t[i].p = 32768;
+        t[i].n = 0;
+    }
+    return t;
+}
+
+/* Branch-free: the bits coded are often unpredictable, a mispredicted branch costs more
+ * than computing both ways. */
+static inline void ctx_adapt(Ctx *c, int bit) {
+    const int s = ctx_shift[c->n];
+    const uint32_t p = c->p, mask = 0U - (uint32_t)bit;
+    c->p = (uint16_t)(p - ((p >> s) & mask) + (((65536U - p) >> s) & ~mask));
+    c->n = (uint8_t)(c->n + (c->n < 255));
+}
+
+static inline int bit_length(uint64_t v) { return v ? 64 - __builtin_clzll(v) : 0; }
+
+/* -- range encoder -- */
+
+typedef struct {
+    uint64_t low, cache_size;
+    uint32_t range;
+    uint8_t cache;
+    unsigned char *out;
+    size_t len, cap;
+    int oom;
+} RcEnc;
+
+static void rc_put(RcEnc *e, unsigned char byte) {
+    if (e->len == e->cap) {
+        size_t cap = e->cap ? 2 * e->cap : 1 << 16;
+        unsigned char *out = realloc(e->out, cap);
+        if (out == NULL) {
+            e->oom = 1;
+            return;
+        }
+        e->out = out;
+        e->cap = cap;
+    }
+    e->out[e->len++] = byte;
+}
+
+static void rc_shift_low(RcEnc *e) {
+    if ((uint32_t)e->low < 0xFF000000U || (e->low >> 32) != 0) {
+        const unsigned char carry = (unsigned char)(e->low >> 32);
+        unsigned char temp = e->cache;
+        do {
+            rc_put(e, (unsigned char)(temp + carry));
+            temp = 0xFF;
+        } while (--e->cache_size != 0);
+        e->cache = (uint8_t)(e->low >> 24);
+    }
+    e->cache_size++;
+    e->low = (e->low & 0x00FFFFFFU) << 8;
+}
+
+static inline void rc_bit(RcEnc *e, Ctx *c, int bit) {
+    const uint32_t bound = (e->range >> 16) * c->p, mask = 0U - (uint32_t)bit;
+    e->low += bound & mask;
+    e->range = (bound & ~mask) | ((e->range - bound) & mask);
+    ctx_adapt(c, bit);
+    while (e->range < RC_TOP) {
+        e->range <<= 8;
+        rc_shift_low(e);
+    }
+}
+
+static inline void rc_direct(RcEnc *e, uint64_t value, int count) {
+    for (int k = count - 1; k >= 0; k--) {
+        e->range >>= 1;
+        if ((value >> k) & 1) e->low += e->range;
+        while (e->range < RC_TOP) {
+            e->range <<= 8;
+            rc_shift_low(e);
+        }
+    }
+}
+
+static inline size_t rc_bound(const RcEnc *e) { return e->len + (size_t)e->cache_size + 5; }
+
+/* -- range decoder: `bad` set on any read past the end or a code outside the range -- */
+
+typedef struct {
+    uint32_t code, range;
+    const unsigned char *in;
+    size_t pos, len;
+    int bad;
+} RcDec;
+
+static int rc_dec_init(RcDec *d, const unsigned char *in, size_t len) {
+    d->in = in;
+    d->len = len;
+    d->range = 0xFFFFFFFFU;
+    d->bad = 0;
+    if (len < 5 || in[0] != 0) return -1;
+    d->code = ((uint32_t)in[1] << 24) | ((uint32_t)in[2] << 16) | ((uint32_t)in[3] << 8) | in[4];
+    d->pos = 5;
+    return d->code == 0xFFFFFFFFU ? -1 : 0;
+}
+
+static inline void rc_dec_norm(RcDec *d) {
+    while (d->range < RC_TOP) {
+        d->range <<= 8;
+        if (d->pos < d->len) {
+            d->code = (d->code << 8) | d->in[d->pos++];
+        } else {
+            d->bad = 1;
+            d->code <<= 8;
+        }
+    }
+}
+
+static inline int rc_dec_bit(RcDec *d, Ctx *c) {
+    const uint32_t bound = (d->range >> 16) * c->p;
+    const int bit = d->code >= bound;
+    const uint32_t mask = 0U - (uint32_t)bit;
+    d->code -= bound & mask;
+    d->range = (bound & ~mask) | ((d->range - bound) & mask);
+    ctx_adapt(c, bit);
+    rc_dec_norm(d);
+    return bit;
+}
+
+static inline uint64_t rc_dec_direct(RcDec *d, int count) {
+    uint64_t value = 0;
+    for (int k = 0; k < count; k++) {
+        d->range >>= 1;
+        int bit = d->code >= d->range;
+        if (bit) {
+            d->code -= d->range;
+            if (d->code >= d->range) d->bad = 1;
+        }
+        value = (value << 1) | (uint64_t)bit;
+        rc_dec_norm(d);
+    }
+    return value;
+}
+
+/* -- the model of an entry (context_model.py) -- */
+
+static inline void gap_rate(uint64_t s, uint64_t n, int *k, int *fr) {
+    const uint64_t q = (s << 8) / n;
+    const int b = bit_length(q);
+    *k = b - 8;
+    *fr = (int)((q >> (b - 3)) & 3);
+}
+
+static inline void gap_next(uint64_t *s, uint64_t *n, uint64_t g) {
+    *s += g < GAP_SUM_CAP ? g : GAP_SUM_CAP;
+    if (++*n == GAP_WINDOW) {
+        *s = (*s + 1) >> 1;
+        *n >>= 1;
+    }
+}
+
+static inline void class_start_state(uint64_t *s, uint64_t *n) {
+    const uint64_t m = (2 * *s) / *n;
+    *s = m > 2 ? m : 2;
+    *n = 1;
+}
+
+static inline int mantissa_ctx(int b, int k, int fr, int node) {
+    int rel = b - k;
+    rel = (rel < -3 ? -3 : rel > 3 ? 3 : rel) + 3;
+    return CTX_GAP_BITS + ((rel * 4 + fr) * 3 + node) * 3 + (b < 4 ? b : 4) - 2;
+}
+
+static void enc_gap(RcEnc *e, Ctx *t, uint64_t g, int k, int fr) {
+    const int b = bit_length(g), kb = k < 24 ? k : 24;
+    Ctx *longer = &t[CTX_GAP_LONGER + fr * 25 + kb];
+    if (b > k) {
+        rc_bit(e, longer, 1);
+        for (int j = k + 1; j < MAX_GAP_BITS; j++) {
+            const int stop = b == j;
+            rc_bit(e, &t[CTX_GAP_UP + fr * 8 + (j - k < 8 ? j - k : 8) - 1], !stop);
+            if (stop) break;
+        }
+    } else {
+        rc_bit(e, longer, 0);
+        for (int j = k; j > 1; j--) {
+            const int stop = b == j;
+            rc_bit(e, &t[CTX_GAP_DOWN + (fr * 9 + (k - j < 8 ? k - j : 8)) * 25 + kb], !stop);
+            if (stop) break;
+        }
+    }
+    const int below = b - 1;
+    if (below >= 1) {
+        const int top = (int)((g >> (below - 1)) & 1);
+        rc_bit(e, &t[mantissa_ctx(b, k, fr, 0)], top);
+        if (below >= 2) {
+            rc_bit(e, &t[mantissa_ctx(b, k, fr, 1 + top)], (int)((g >> (below - 2)) & 1));
+            if (below > 2) rc_direct(e, g, below - 2);
+        }
+    }
+}
+
+static uint64_t dec_gap(RcDec *d, Ctx *t, int k, int fr) {
+    const int kb = k < 24 ? k : 24;
+    int b;
+    if (rc_dec_bit(d, &t[CTX_GAP_LONGER + fr * 25 + kb])) {
+        b = k + 1;
+        while (b < MAX_GAP_BITS && rc_dec_bit(d, &t[CTX_GAP_UP + fr * 8 + (b - k < 8 ? b - k : 8) - 1])) b++;
+    } else {
+        b = k;
+        while (b > 1 && rc_dec_bit(d, &t[CTX_GAP_DOWN + (fr * 9 + (k - b < 8 ? k - b : 8)) * 25 + kb])) b--;
+    }
+    uint64_t g = 1;
+    const int below = b - 1;
+    if (below >= 1) {
+        const int top = rc_dec_bit(d, &t[mantissa_ctx(b, k, fr, 0)]);
+        g = (g << 1) | (uint64_t)top;
+        if (below >= 2) {
+            g = (g << 1) | (uint64_t)rc_dec_bit(d, &t[mantissa_ctx(b, k, fr, 1 + top)]);
+            if (below > 2) g = (g << (below - 2)) | rc_dec_direct(d, below - 2);
+        }
+    }
+    return g;
+}
+
+static inline int delta_row(const int64_t *m, int c) {
+    const int row = m[M_EBITS] ? (int)((m[M_LO] + c) & 255) : 0;
+    return CTX_DELTA + ((int)m[M_DTYPE] * 256 + row) * CTX_DELTA_SLOTS;
+}
+
+/* Signed value of a `width`-byte two's-complement delta. */
+static inline int64_t sign_extend(uint64_t v, int width) {
+    if (width == 8) return (int64_t)v;
+    const int bits = 8 * width;
+    return (int64_t)(v << (64 - bits)) >> (64 - bits);
+}
+
+static void enc_delta(RcEnc *e, Ctx *row, int64_t s, int width) {
+    const int negative = s < 0;
+    rc_bit(e, &row[0], negative);
+    const uint64_t m = negative ? (uint64_t)0 - (uint64_t)s : (uint64_t)s;
+    for (uint64_t t = 1; t <= 3; t++) {
+        rc_bit(e, &row[t], m != t);
+        if (m == t) return;
+    }
+    const uint64_t v = m - 3;
+    const int b = bit_length(v), most = 8 * width - 1;
+    for (int j = 1; j < most; j++) {
+        const int stop = b == j;
+        rc_bit(e, &row[3 + (j < 20 ? j : 20)], !stop);
+        if (stop) break;
+    }
+    rc_direct(e, v, b - 1);
+}
+
+/* The delta's bits, or 0 (never a delta) for one that cannot fit the width. */
+static uint64_t dec_delta(RcDec *d, Ctx *row, int width) {
+    const int negative = rc_dec_bit(d, &row[0]);
+    uint64_t m = 1;
+    while (m <= 3 && rc_dec_bit(d, &row[m])) m++;
+    if (m == 4) {
+        const int most = 8 * width - 1;
+        int b = 1;
+        while (b < most && rc_dec_bit(d, &row[3 + (b < 20 ? b : 20)])) b++;
+        m = ((1ULL << (b - 1)) | rc_dec_direct(d, b - 1)) + 3;
+    }
+    const uint64_t half = 1ULL << (8 * width - 1);
+    if (m > (negative ? half : half - 1)) return 0;
+    return (negative ? (uint64_t)0 - m : m) & width_mask(width);
+}
+
+/* -- ctx_encode / ctx_decode -- */
+
+typedef struct {
+    const int64_t *meta;
+    Py_ssize_t entries;
+    const unsigned char *classes, *ranks, *deltas;
+    int64_t budget;
+} EncJob;
+
+/* Codes entries while they fit; returns how many did (all, or where it stopped). */
+static Py_ssize_t ctx_encode_run(const EncJob *job, Ctx *t, RcEnc *e) {
+    Py_ssize_t at = 0, dat = 0;
+    int64_t spent = 0;
+    for (Py_ssize_t i = 0; i < job->entries; i++) {
+        const int64_t *m = job->meta + i * META_FIELDS;
+        const Py_ssize_t count = (Py_ssize_t)m[M_COUNT];
+        const int classes = (int)m[M_CLASSES], width = (int)m[M_WIDTH], last = classes - 1;
+        uint64_t s = 2, n = 1;
+        Py_ssize_t pos = 0;
+        for (int c = 0; c < classes && pos < count; c++) {
+            Ctx *row = &t[delta_row(m, c)];
+            int64_t prev = -1;
+            int first = 1;
+            while (pos < count) {
+                const int here = job->classes[at + pos] == c;
+                if (c < last) rc_bit(e, &t[CTX_MORE + 2 * c + first], here);
+                if (!here) break;
+                const int64_t rank = load_i64(job->ranks + 8 * (at + pos));
+                const uint64_t g = (uint64_t)(rank - prev);
+                int k, fr;
+                gap_rate(s, n, &k, &fr);
+                enc_gap(e, t, g, k, fr);
+                gap_next(&s, &n, g);
+                enc_delta(e, row, sign_extend(load(job->deltas + dat + pos * width, width), width), width);
+                prev = rank;
+                first = 0;
+                pos++;
+            }
+            class_start_state(&s, &n);
+        }
+        at += count;
+        dat += count * width;
+        spent += m[M_EXTRA];
+        if ((int64_t)rc_bound(e) + spent > job->budget || e->oom) return i;
+    }
+    return job->entries;
+}
+
+PyDoc_STRVAR(ctx_encode_doc,
+             "ctx_encode(meta, classes, ranks, deltas, budget) -> (fit, bytes or None)\n\n"
+             "Range-code entries as patcher.context_encode.code_entries does: meta holds 7 int64 per\n"
+             "entry (count, lo, classes, dtype table, width, exponent bits, header cost); classes\n"
+             "(uint8), ranks (int64) and deltas (each entry's width) are every entry's changes,\n"
+             "class-major, one after the other. Stops after the first entry whose stream bound plus\n"
+             "the running cost exceeds budget, returning how many entries fit and None.");
+
+static int check_meta(const Py_buffer *meta, Py_ssize_t *entries, Py_ssize_t *changes, Py_ssize_t *delta_bytes) {
+    Py_ssize_t n = items(meta, 8 * META_FIELDS, "meta");
+    if (n < 0) return -1;
+    Py_ssize_t total = 0, bytes = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const int64_t *m = (const int64_t *)meta->buf + i * META_FIELDS;
+        if (m[M_COUNT] < 0 || m[M_CLASSES] < 1 || m[M_CLASSES] > CTX_MAX_CLASSES || m[M_DTYPE] < 0 ||
+            m[M_DTYPE] >= CTX_DTYPES || check_width((int)m[M_WIDTH]) < 0 || m[M_LO] < 0 || m[M_EBITS] < 0 ||
+            m[M_EBITS] > 11 || m[M_COUNT] > PY_SSIZE_T_MAX / 16 - total) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "meta: an entry's fields are out of range");
+            return -1;
+        }
+        total += (Py_ssize_t)m[M_COUNT];
+        bytes += (Py_ssize_t)m[M_COUNT] * m[M_WIDTH];
+    }
+    *entries = n;
+    *changes = total;
+    *delta_bytes = bytes;
+    return 0;
+}
+
+static PyObject *py_ctx_encode(PyObject *self, PyObject *args) {
+    Py_buffer b[4] = {{0}};
+    long long budget;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*L", &b[0], &b[1], &b[2], &b[3], &budget)) {
+        release(b, 4);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    Py_ssize_t entries, changes, delta_bytes;
+    if (check_meta(&b[0], &entries, &changes, &delta_bytes) < 0 || check_len(&b[1], changes, 1, "classes") < 0 ||
+        check_len(&b[2], changes, 8, "ranks") < 0 || check_len(&b[3], delta_bytes, 1, "deltas") < 0)
+        goto done;
+    {
+        EncJob job = {b[0].buf, entries, b[1].buf, b[2].buf, b[3].buf, budget};
+        RcEnc e = {0, 1, 0xFFFFFFFFU, 0, NULL, 0, 0, 0};
+        Ctx *t = ctx_table();
+        if (t == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        Py_ssize_t fit;
+        Py_BEGIN_ALLOW_THREADS;
+        fit = ctx_encode_run(&job, t, &e);
+        if (fit == entries)
+            for (int i = 0; i < 5; i++) rc_shift_low(&e);
+        Py_END_ALLOW_THREADS;
+        free(t);
+        if (e.oom) {
+            PyErr_NoMemory();
+        } else if (fit < entries) {
+            result = Py_BuildValue("nO", fit, Py_None);
+        } else {
+            PyObject *bytes = PyBytes_FromStringAndSize((const char *)e.out, (Py_ssize_t)e.len);
+            if (bytes != NULL) result = Py_BuildValue("nN", fit, bytes);
+        }
+        free(e.out);
+    }
+done:
+    release(b, 4);
+    return result;
+}
+
+/* Decodes every entry; 0 when the stream is invalid (the NumPy decoder says why). */
+static int ctx_decode_run(const int64_t *meta, Py_ssize_t entries, RcDec *d, Ctx *t, unsigned char *classes,
+                          unsigned char *ranks, unsigned char *deltas) {
+    Py_ssize_t at = 0, dat = 0;
+    for (Py_ssize_t i = 0; i < entries; i++) {
+        const int64_t *m = meta + i * META_FIELDS;
+        const Py_ssize_t count = (Py_ssize_t)m[M_COUNT];
+        const int nclasses = (int)m[M_CLASSES], width = (int)m[M_WIDTH], last = nclasses - 1;
+        const uint64_t span = (uint64_t)m[M_EXTRA];
+        uint64_t s = 2, n = 1;
+        Py_ssize_t pos = 0;
+        for (int c = 0; c < nclasses && pos < count; c++) {
+            Ctx *row = &t[delta_row(m, c)];
+            uint64_t prev = (uint64_t)-1;
+            int first = 1;
+            while (pos < count) {
+                if (c < last && !rc_dec_bit(d, &t[CTX_MORE + 2 * c + first])) break;
+                int k, fr;
+                gap_rate(s, n, &k, &fr);
+                const uint64_t g = dec_gap(d, t, k, fr);
+                const uint64_t rank = prev + g;
+                if (rank >= span || d->bad) return 0;
+                gap_next(&s, &n, g);
+                const uint64_t delta = dec_delta(d, row, width);
+                if (delta == 0 || d->bad) return 0;
+                classes[at + pos] = (unsigned char)c;
+                const int64_t r = (int64_t)rank;
+                memcpy(ranks + 8 * (at + pos), &r, 8);
+                store(deltas + dat + pos * width, width, delta);
+                prev = rank;
+                first = 0;
+                pos++;
+            }
+            class_start_state(&s, &n);
+        }
+        at += count;
+        dat += count * width;
+    }
+    return !d->bad && d->pos == d->len;
+}
+
+PyDoc_STRVAR(ctx_decode_doc,
+             "ctx_decode(stream, meta, classes_out, ranks_out, deltas_out) -> bool\n\n"
+             "The entropy stage of a context-coded shard (patcher.context_decode): every entry's\n"
+             "changes, class-major, into the outputs (as ctx_encode takes them). meta's 7th field\n"
+             "is the entry's element count (ranks must stay below it). False for an invalid stream.");
+
+static PyObject *py_ctx_decode(PyObject *self, PyObject *args) {
+    Py_buffer b[5] = {{0}};
+    if (!PyArg_ParseTuple(args, "y*y*w*w*w*", &b[0], &b[1], &b[2], &b[3], &b[4])) {
+        release(b, 5);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    Py_ssize_t entries, changes, delta_bytes;
+    if (check_meta(&b[1], &entries, &changes, &delta_bytes) < 0 || check_len(&b[2], changes, 1, "classes_out") < 0 ||
+        check_len(&b[3], changes, 8, "ranks_out") < 0 || check_len(&b[4], delta_bytes, 1, "deltas_out") < 0)
+        goto done;
+    {
+        RcDec d;
+        if (rc_dec_init(&d, b[0].buf, (size_t)b[0].len) < 0) {
+            result = Py_NewRef(Py_False);
+            goto done;
+        }
+        Ctx *t = ctx_table();
+        if (t == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        int ok;
+        Py_BEGIN_ALLOW_THREADS;
+        ok = ctx_decode_run(b[1].buf, entries, &d, t, b[2].buf, b[3].buf, b[4].buf);
+        Py_END_ALLOW_THREADS;
+        free(t);
+        result = Py_NewRef(ok ? Py_True : Py_False);
+    }
+done:
+    release(b, 5);
+    return result;
+}
+
+/* -- scans of the base (context.py) --
+ *
+ * A class's lane is one byte of two 64-bit words (16 lanes): per element, its exponent
+ * indexes a table of one-hot words, which the scans add (ranks) or subtract (select). */
+
+#define LANE_HIGH 0x8080808080808080ULL
+
+typedef struct {
+    int shift, width, ebits;
+    uint64_t emask;
+    uint8_t cls[2048];
+    uint64_t oh[2][2048];
+} Classes;
+
+static int classes_init(Classes *k, int width, int shift, int ebits, int64_t lo, int nclasses) {
+    if (ebits < 1 || ebits > 11 || shift < 0 || shift + ebits > 8 * width || nclasses < 1 ||
+        nclasses > CTX_MAX_CLASSES || lo < 0 || lo + nclasses > (1 << ebits)) {
+        PyErr_SetString(PyExc_ValueError, "class window or exponent field out of range");
+        return -1;
+    }
+    k->shift = shift;
+    k->width = width;
+    k->ebits = ebits;
+    k->emask = (1ULL << ebits) - 1;
+    for (int e = 0; e < (1 << ebits); e++) {
+        int64_t c = e - lo;
+        c = c < 0 ? 0 : c > nclasses - 1 ? nclasses - 1 : c;
+        k->cls[e] = (uint8_t)c;
+        k->oh[0][e] = c < 8 ? 1ULL << (8 * c) : 0;
+        k->oh[1][e] = c >= 8 ? 1ULL << (8 * (c - 8)) : 0;
+    }
+    return 0;
+}
+
+static inline unsigned lane_get(const uint64_t *w, int c) { return (unsigned)(w[c >> 3] >> (8 * (c & 7))) & 0xFF; }
+
+static inline void lane_set(uint64_t *w, int c, unsigned v) {
+    const int sh = 8 * (c & 7);
+    w[c >> 3] = (w[c >> 3] & ~(0xFFULL << sh)) | ((uint64_t)v << sh);
+}
+
+HOT void ranks_loop(int W, const Classes *k, const unsigned char *base, int64_t start, const int64_t *idx,
+                    Py_ssize_t n, unsigned char *cls_out, int64_t *rank_out) {
+    uint64_t counts[CTX_MAX_CLASSES] = {0};
+    uint64_t acc[2] = {0, 0};
+    int pending = 0;
+    int64_t i = start;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        const int64_t target = idx[j];
+        for (; i < target; i++) {
+            const uint64_t e = (load(base + i * W, W) >> k->shift) & k->emask;
+            acc[0] += k->oh[0][e];
+            acc[1] += k->oh[1][e];
+            if (++pending == 255) {
+                for (int c = 0; c < CTX_MAX_CLASSES; c++) counts[c] += lane_get(acc, c);
+                acc[0] = acc[1] = 0;
+                pending = 0;
+            }
+        }
+        const uint64_t e = (load(base + i * W, W) >> k->shift) & k->emask;
+        const int c = k->cls[e];
+        cls_out[j] = (unsigned char)c;
+        rank_out[j] = (int64_t)(counts[c] + lane_get(acc, c));
+        counts[c]++;
+        i++;
+    }
+}
+
+/* -- block scans (x86-64, 2-byte elements) --
+ *
+ * The same results as the scans above, 64 elements at a time: SSE2 computes the
+ * block's 64 class bytes and their four bit planes, which give each class a 64-bit mask
+ * of its members; POPCNT counts them. A block whose masks hold no target of any class
+ * is skipped as a whole. Chosen at run time (the CPU must have POPCNT); each element's
+ * class still comes from its own bits only. */
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define CTX_BLOCKS 1
+#define BLOCK_TARGET __attribute__((target("popcnt")))
+
+static int blocks_usable(const Classes *k) {
+    return k->width == 2 && k->ebits <= 8 && __builtin_cpu_supports("popcnt");
+}
+
+typedef struct {
+    uint64_t m[CTX_MAX_CLASSES];
+} Masks;
+
+/* The members of each class among 64 2-byte elements at p (`valid` of them count). */
+BLOCK_TARGET static inline void block_masks(const Classes *k, int lo, int top, const unsigned char *p,
+                                            uint64_t valid, Masks *out) {
+    const __m128i count = _mm_cvtsi32_si128(k->shift);
+    const __m128i emask = _mm_set1_epi16((short)k->emask);
+    const __m128i vlo = _mm_set1_epi8((char)lo), vtop = _mm_set1_epi8((char)top);
+    uint64_t plane[4] = {0, 0, 0, 0};
+    for (int q = 0; q < 4; q++) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(p + 32 * q));
+        __m128i b = _mm_loadu_si128((const __m128i *)(p + 32 * q + 16));
+        a = _mm_and_si128(_mm_srl_epi16(a, count), emask);
+        b = _mm_and_si128(_mm_srl_epi16(b, count), emask);
+        const __m128i c = _mm_min_epu8(_mm_subs_epu8(_mm_packus_epi16(a, b), vlo), vtop);
+        plane[0] |= (uint64_t)(uint16_t)_mm_movemask_epi8(_mm_slli_epi16(c, 7)) << (16 * q);
+        plane[1] |= (uint64_t)(uint16_t)_mm_movemask_epi8(_mm_slli_epi16(c, 6)) << (16 * q);
+        plane[2] |= (uint64_t)(uint16_t)_mm_movemask_epi8(_mm_slli_epi16(c, 5)) << (16 * q);
+        plane[3] |= (uint64_t)(uint16_t)_mm_movemask_epi8(_mm_slli_epi16(c, 4)) << (16 * q);
+    }
+    const uint64_t low[4] = {~plane[0] & ~plane[1], plane[0] & ~plane[1], ~plane[0] & plane[1], plane[0] & plane[1]};
+    const uint64_t high[4] = {~plane[2] & ~plane[3] & valid, plane[2] & ~plane[3] & valid,
+                              ~plane[2] & plane[3] & valid, plane[2] & plane[3] & valid};
+    for (int c = 0; c <= top; c++) out->m[c] = low[c & 3] & high[c >> 2];
+}
+
+/* block_masks with AVX2: half the instructions (32 elements a vector). */
+__attribute__((target("avx2,popcnt"))) static void block_masks_avx2(const Classes *k, int lo, int top,
+                                                                     const unsigned char *p, uint64_t valid,
+                                                                     Masks *out) {
+    const __m128i count = _mm_cvtsi32_si128(k->shift);
+    const __m256i emask = _mm256_set1_epi16((short)k->emask);
+    const __m256i vlo = _mm256_set1_epi8((char)lo), vtop = _mm256_set1_epi8((char)top);
+    uint64_t plane[4] = {0, 0, 0, 0};
+    for (int q = 0; q < 2; q++) {
+        __m256i a = _mm256_loadu_si256((const __m256i *)(p + 64 * q));
+        __m256i b = _mm256_loadu_si256((const __m256i *)(p + 64 * q + 32));
+        a = _mm256_and_si256(_mm256_srl_epi16(a, count), emask);
+        b = _mm256_and_si256(_mm256_srl_epi16(b, count), emask);
+        /* packus works within 128-bit lanes: put the 64-bit quarters back in element order. */
+        const __m256i e = _mm256_permute4x64_epi64(_mm256_packus_epi16(a, b), 0xD8);
+        const __m256i c = _mm256_min_epu8(_mm256_subs_epu8(e, vlo), vtop);
+        plane[0] |= (uint64_t)(uint32_t)_mm256_movemask_epi8(_mm256_slli_epi16(c, 7)) << (32 * q);
+        plane[1] |= (uint64_t)(uint32_t)_mm256_movemask_epi8(_mm256_slli_epi16(c, 6)) << (32 * q);
+        plane[2] |= (uint64_t)(uint32_t)_mm256_movemask_epi8(_mm256_slli_epi16(c, 5)) << (32 * q);
+        plane[3] |= (uint64_t)(uint32_t)_mm256_movemask_epi8(_mm256_slli_epi16(c, 4)) << (32 * q);
+    }
+    const uint64_t low[4] = {~plane[0] & ~plane[1], plane[0] & ~plane[1], ~plane[0] & plane[1], plane[0] & plane[1]};
+    const uint64_t high[4] = {~plane[2] & ~plane[3] & valid, plane[2] & ~plane[3] & valid,
+                              ~plane[2] & plane[3] & valid, plane[2] & plane[3] & valid};
+    for (int c = 0; c <= top; c++) out->m[c] = low[c & 3] & high[c >> 2];
+}
+
+typedef void (*MasksFn)(const Classes *, int, int, const unsigned char *, uint64_t, Masks *);
+
+BLOCK_TARGET static void block_masks_sse2(const Classes *k, int lo, int top, const unsigned char *p, uint64_t valid,
+                                          Masks *out) {
+    block_masks(k, lo, top, p, valid, out);
+}
+
+/* The fastest block_masks this CPU runs. */
+static MasksFn masks_fn(void) { return __builtin_cpu_supports("avx2") ? block_masks_avx2 : block_masks_sse2; }
+
+/* 64 elements from `base` at i (fewer at the end of the range), as the overlay makes
+ * them: a pointer to them, straight into the base when nothing needs copying. */
+static inline const unsigned char *block_at(const unsigned char *base, int64_t i, int64_t stop, const int64_t *ov_idx,
+                                            const unsigned char *ov_val, Py_ssize_t ov_n, Py_ssize_t *o,
+                                            unsigned char *tmp, uint64_t *valid) {
+    const int64_t n = stop - i < 64 ? stop - i : 64;
+    *valid = n == 64 ? ~0ULL : (1ULL << n) - 1;
+    const int overlaid = *o < ov_n && ov_idx[*o] < i + n;
+    if (n == 64 && !overlaid) return base + 2 * i;
+    memset(tmp, 0, 128);
+    memcpy(tmp, base + 2 * i, (size_t)(2 * n));
+    for (; *o < ov_n && ov_idx[*o] < i + n; (*o)++) memcpy(tmp + 2 * (ov_idx[*o] - i), ov_val + 2 * *o, 2);
+    return tmp;
+}
+
+BLOCK_TARGET static void ranks_blocks(const Classes *k, int lo, int nclasses, const unsigned char *base, int64_t start,
+                                      const int64_t *idx, Py_ssize_t n, unsigned char *cls_out, int64_t *rank_out) {
+    uint64_t counts[CTX_MAX_CLASSES] = {0};
+    const int top = nclasses - 1;
+    const int64_t end = n ? idx[n - 1] + 1 : start;
+    unsigned char tmp[128];
+    Py_ssize_t j = 0, o = 0;
+    Masks m;
+    const MasksFn masks = masks_fn();
+    for (int64_t i = start; i < end; i += 64) {
+        uint64_t valid;
+        const unsigned char *p = block_at(base, i, end, NULL, NULL, 0, &o, tmp, &valid);
+        masks(k, lo, top, p, valid, &m);
+        for (; j < n && idx[j] < i + 64; j++) {
+            const int off = (int)(idx[j] - i);
+            int c = 0;
+            while (!((m.m[c] >> off) & 1)) c++;
+            cls_out[j] = (unsigned char)c;
+            rank_out[j] = (int64_t)(counts[c] + (uint64_t)__builtin_popcountll(m.m[c] & ((1ULL << off) - 1)));
+        }
+        for (int c = 0; c <= top; c++) counts[c] += (uint64_t)__builtin_popcountll(m.m[c]);
+    }
+}
+
+/* The decoder's block scan: rem[c] is how many members of class c to pass before its
+ * next target (UINT64_MAX once it has none). `found(i, p)` gets each change. */
+typedef struct {
+    const unsigned char *cls;
+    const int64_t *ranks;
+    Py_ssize_t next[CTX_MAX_CLASSES], end[CTX_MAX_CLASSES];
+    uint64_t rem[CTX_MAX_CLASSES];
+    Py_ssize_t left;
+} Targets;
+
+static int targets_init(Targets *t, const unsigned char *cls, const int64_t *ranks, Py_ssize_t n, int nclasses) {
+    t->cls = cls;
+    t->ranks = ranks;
+    t->left = n;
+    Py_ssize_t j = 0;
+    for (int c = 0; c < CTX_MAX_CLASSES; c++) {
+        t->next[c] = j;
+        int64_t prev = -1;
+        while (j < n && cls[j] == c) {
+            if (ranks[j] <= prev) return -1;
+            prev = ranks[j++];
+        }
+        t->end[c] = j;
+        t->rem[c] = c < nclasses && t->next[c] < t->end[c] ? (uint64_t)ranks[t->next[c]] : UINT64_MAX;
+    }
+    return j == n ? 0 : -1;
+}
+
+/* Within one block's mask of class c: every target the block holds, in order. */
+#define TARGETS_IN_BLOCK(t, c, mask, i, ...)                                                  \
+    do {                                                                                      \
+        uint64_t mm_ = (mask);                                                                \
+        uint64_t pc_ = (uint64_t)__builtin_popcountll(mm_);                                   \
+        while ((t)->rem[c] < pc_) {                                                           \
+            for (uint64_t k_ = (t)->rem[c]; k_; k_--) mm_ &= mm_ - 1;                         \
+            const int64_t at_ = (i) + __builtin_ctzll(mm_);                                   \
+            const Py_ssize_t p_ = (t)->next[c]++;                                             \
+            (t)->left--;                                                                      \
+            (t)->rem[c] = (t)->next[c] < (t)->end[c]                                          \
+                              ? (uint64_t)((t)->ranks[(t)->next[c]] - (t)->ranks[p_] - 1)     \
+                              : UINT64_MAX;                                                   \
+            mm_ &= mm_ - 1;                                                                   \
+            pc_ = (uint64_t)__builtin_popcountll(mm_);                                        \
+            __VA_ARGS__;                                                                      \
+        }                                                                                     \
+        if ((t)->rem[c] != UINT64_MAX) (t)->rem[c] -= pc_;                                    \
+    } while (0)
+
+BLOCK_TARGET static void select_blocks(const Classes *k, int lo, int nclasses, Targets *t, const unsigned char *base,
+                                       int64_t start, int64_t stop, const int64_t *ov_idx, const unsigned char *ov_val,
+                                       Py_ssize_t ov_n, int64_t *idx_out) {
+    const int top = nclasses - 1;
+    unsigned char tmp[128];
+    Py_ssize_t o = 0;
+    while (o < ov_n && ov_idx[o] < start) o++;
+    Masks m;
+    const MasksFn masks = masks_fn();
+    for (int64_t i = start; i < stop && t->left > 0; i += 64) {
+        uint64_t valid;
+        const unsigned char *p = block_at(base, i, stop, ov_idx, ov_val, ov_n, &o, tmp, &valid);
+        masks(k, lo, top, p, valid, &m);
+        for (int c = 0; c <= top; c++) TARGETS_IN_BLOCK(t, c, m.m[c], i, idx_out[p_] = at_);
+    }
+}
+
+BLOCK_TARGET static EntryResult apply_blocks(const Classes *k, int lo, int nclasses, Targets *t, unsigned char *target,
+                                             int64_t start, int64_t stop, const unsigned char *delta, int64_t *idx_out,
+                                             int64_t *pos_out) {
+    const int top = nclasses - 1;
+    unsigned char tmp[128];
+    Py_ssize_t o = 0, done = 0;
+    uint64_t fp = 0;
+    Masks m;
+    const MasksFn masks = masks_fn();
+    for (int64_t i = start; i < stop && t->left > 0; i += 64) {
+        uint64_t valid;
+        const unsigned char *p = block_at(target, i, stop, NULL, NULL, 0, &o, tmp, &valid);
+        masks(k, lo, top, p, valid, &m); /* every class from the bits before any change */
+        for (int c = 0; c <= top; c++) {
+            TARGETS_IN_BLOCK(t, c, m.m[c], i, {
+                unsigned char *q = target + 2 * at_;
+                const uint64_t was = load(q, 2), now = (was + load(delta + 2 * p_, 2)) & 0xFFFF;
+                store(q, 2, now);
+                fp += element_hash((uint64_t)at_, now) - element_hash((uint64_t)at_, was);
+                idx_out[done] = at_;
+                pos_out[done] = p_;
+                done++;
+            });
+        }
+    }
+    EntryResult r = {done, fp, t->left == 0};
+    return r;
+}
+#endif
+
+PyDoc_STRVAR(ctx_ranks_doc,
+             "ctx_ranks(base, width, shift, ebits, lo, classes, start, indices, classes_out, ranks_out)\n\n"
+             "patcher.context.class_ranks: for sorted indices (int64, >= start, < the base's length),\n"
+             "each one's class and its rank among the elements of its class in [start, index).");
+
+static PyObject *py_ctx_ranks(PyObject *self, PyObject *args) {
+    Py_buffer b[4] = {{0}};
+    int width, shift, ebits, nclasses;
+    long long lo, start;
+    if (!PyArg_ParseTuple(args, "y*iiiLiLy*w*w*", &b[0], &width, &shift, &ebits, &lo, &nclasses, &start, &b[1],
+                          &b[2], &b[3])) {
+        release(b, 4);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    Classes *k = NULL;
+    if (check_width(width) < 0) goto done;
+    Py_ssize_t numel = items(&b[0], width, "base"), n = items(&b[1], 8, "indices");
+    if (numel < 0 || n < 0 || check_len(&b[2], n, 1, "classes_out") < 0 || check_len(&b[3], n, 8, "ranks_out") < 0)
+        goto done;
+    {
+        const int64_t *idx = b[1].buf;
+        int64_t prev = start - 1;
+        for (Py_ssize_t j = 0; j < n; j++) {
+            if (idx[j] <= prev || idx[j] >= numel) {
+                PyErr_SetString(PyExc_ValueError, "indices must be increasing, >= start and < the base's length");
+                goto done;
+            }
+            prev = idx[j];
+        }
+        k = malloc(sizeof(Classes));
+        if (k == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        if (classes_init(k, width, shift, ebits, lo, nclasses) < 0) goto done;
+        Py_BEGIN_ALLOW_THREADS;
+#ifdef CTX_BLOCKS
+        if (blocks_usable(k))
+            ranks_blocks(k, (int)lo, nclasses, b[0].buf, start, idx, n, b[2].buf, b[3].buf);
+        else
+#endif
+            BY_WIDTH(width, ranks_loop(W, k, b[0].buf, start, idx, n, b[2].buf, b[3].buf));
+        Py_END_ALLOW_THREADS;
+        result = Py_NewRef(Py_None);
+    }
+done:
+    free(k);
+    release(b, 4);
+    return result;
+}
+
+/* The decoder's scan: every element of [start, stop) in turn; each target (class c's
+ * next rank) found calls `found`. Lanes hold 0x80 + the members of their class still to
+ * skip (at most 127; the rest in `excess`); a lane whose high bit clears has reached its
+ * mark. Classes without targets left are removed from the one-hot tables. */
+typedef struct {
+    Classes k;
+    const unsigned char *cls;
+    const int64_t *ranks;
+    Py_ssize_t next[CTX_MAX_CLASSES + 1], end[CTX_MAX_CLASSES + 1];
+    uint64_t excess[CTX_MAX_CLASSES];
+    uint64_t lanes[2];
+    Py_ssize_t left;
+    int bad;
+} Select;
+
+static void select_arm(Select *s, int c, uint64_t skip) {
+    const uint64_t now = skip < 127 ? skip : 127;
+    lane_set(s->lanes, c, (unsigned)(0x80 + now));
+    s->excess[c] = skip - now;
+}
+
+static void select_drop(Select *s, int c) {
+    for (int e = 0; e < (1 << s->k.ebits); e++) {
+        if (s->k.cls[e] == c) {
+            s->k.oh[0][e] = 0;
+            s->k.oh[1][e] = 0;
+        }
+    }
+    lane_set(s->lanes, c, 0xFF);
+}
+
+static int select_init(Select *s, const unsigned char *cls, const int64_t *ranks, Py_ssize_t n, int nclasses) {
+    s->cls = cls;
+    s->ranks = ranks;
+    s->left = n;
+    s->bad = 0;
+    s->lanes[0] = s->lanes[1] = ~0ULL;
+    Py_ssize_t j = 0;
+    for (int c = 0; c < CTX_MAX_CLASSES; c++) {
+        s->next[c] = j;
+        int64_t prev = -1;
+        while (j < n && cls[j] == c) {
+            if (ranks[j] <= prev) return -1;
+            prev = ranks[j++];
+        }
+        s->end[c] = j;
+    }
+    if (j != n) return -1; /* classes not non-decreasing, or one past the window */
+    for (int c = 0; c < CTX_MAX_CLASSES; c++) {
+        if (c >= nclasses || s->next[c] == s->end[c])
+            select_drop(s, c);
+        else
+            select_arm(s, c, (uint64_t)ranks[s->next[c]]);
+    }
+    return 0;
+}
+
+/* An element whose lane reached its mark; returns the class-major position of the
+ * change it is, or -1 when it only used up skips. The lanes are the caller's locals
+ * (so that they stay in registers on the hot path), passed in and out here. */
+static Py_ssize_t select_hit(Select *s, int c, uint64_t *lanes) {
+    s->lanes[0] = lanes[0];
+    s->lanes[1] = lanes[1];
+    Py_ssize_t p = -1;
+    if (s->excess[c]) {
+        select_arm(s, c, s->excess[c] - 1);
+    } else {
+        p = s->next[c]++;
+        s->left--;
+        if (s->next[c] < s->end[c])
+            select_arm(s, c, (uint64_t)(s->ranks[s->next[c]] - s->ranks[p] - 1));
+        else
+            select_drop(s, c);
+    }
+    lanes[0] = s->lanes[0];
+    lanes[1] = s->lanes[1];
+    return p;
+}
+
+/* One element of a scan, its bits `x`; the statement after runs for a change (at p_). */
+#define SELECT_STEP(x, ...)                                           \
+    do {                                                              \
+        const uint64_t e_ = ((x) >> shift) & emask;                   \
+        l0 -= oh0[e_];                                                \
+        l1 -= oh1[e_];                                                \
+        if ((l0 & l1 & LANE_HIGH) != LANE_HIGH) {                     \
+            uint64_t lanes_[2] = {l0, l1};                            \
+            const Py_ssize_t p_ = select_hit(s, s->k.cls[e_], lanes_); \
+            l0 = lanes_[0];                                           \
+            l1 = lanes_[1];                                           \
+            if (p_ >= 0) {                                            \
+                __VA_ARGS__;                                          \
+            }                                                         \
+        }                                                             \
+    } while (0)
+
+/* The scan's state in locals: the compiler cannot keep what a pointer reaches in
+ * registers across the stores of the loop. */
+#define SELECT_LOCALS                                \
+    const int shift = s->k.shift;                    \
+    const uint64_t emask = s->k.emask;               \
+    const uint64_t *oh0 = s->k.oh[0], *oh1 = s->k.oh[1]; \
+    uint64_t l0 = s->lanes[0], l1 = s->lanes[1]
+
+HOT void select_loop(int W, Select *s, const unsigned char *base, int64_t start, int64_t stop, const int64_t *ov_idx,
+                     const unsigned char *ov_val, Py_ssize_t ov_n, int64_t *idx_out) {
+    SELECT_LOCALS;
+    Py_ssize_t o = 0;
+    int64_t i = start;
+    while (o < ov_n && ov_idx[o] < start) o++;
+    while (i < stop && s->left > 0) {
+        const int64_t run_end = o < ov_n && ov_idx[o] < stop ? ov_idx[o] : stop;
+        for (; i < run_end; i++) {
+            SELECT_STEP(load(base + i * W, W), idx_out[p_] = i; if (s->left == 0) return);
+        }
+        if (i == run_end && run_end < stop) {
+            SELECT_STEP(load(ov_val + o * W, W), idx_out[p_] = i; if (s->left == 0) return);
+            i++;
+            o++;
+        }
+    }
+}
+
+HOT EntryResult select_apply_loop(int W, Select *s, unsigned char *t, int64_t start, int64_t stop,
+                                  const unsigned char *delta, int64_t *idx_out, int64_t *pos_out) {
+    SELECT_LOCALS;
+    const uint64_t mask = width_mask(W);
+    uint64_t fp = 0;
+    Py_ssize_t done = 0;
+    if (s->left > 0) {
+        for (int64_t i = start; i < stop; i++) {
+            unsigned char *p = t + i * W;
+            const uint64_t was = load(p, W);
+            SELECT_STEP(was, const uint64_t now = (was + load(delta + p_ * W, W)) & mask; store(p, W, now);
+                        fp += element_hash((uint64_t)i, now) - element_hash((uint64_t)i, was); idx_out[done] = i;
+                        pos_out[done] = p_; done++; if (s->left == 0) goto finished);
+        }
+    }
+finished:;
+    EntryResult r = {done, fp, s->left == 0};
+    return r;
+}
+
+static Select *select_new(int width, int shift, int ebits, long long lo, int nclasses, const Py_buffer *cls,
+                          const Py_buffer *ranks, Py_ssize_t *n) {
+    *n = items(ranks, 8, "ranks");
+    if (*n < 0 || check_len(cls, *n, 1, "classes") < 0) return NULL;
+    Select *s = malloc(sizeof(Select));
+    if (s == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    if (classes_init(&s->k, width, shift, ebits, lo, nclasses) < 0) {
+        free(s);
+        return NULL;
+    }
+    if (select_init(s, cls->buf, ranks->buf, *n, nclasses) < 0) {
+        PyErr_SetString(PyExc_ValueError, "classes must be non-decreasing and in the window, ranks increasing in each");
+        free(s);
+        return NULL;
+    }
+    return s;
+}
+
+PyDoc_STRVAR(ctx_select_doc,
+             "ctx_select(base, width, shift, ebits, lo, classes, start, stop, cls, ranks, overlay_idx,\n"
+             "           overlay_val, idx_out) -> bool\n\n"
+             "patcher.context.select_ranks: the index of each (class, rank) pair (class-major) into\n"
+             "idx_out, reading the base through the overlay (sorted int64 indices and their bits).\n"
+             "False if a rank is not below its class's count in [start, stop).");
+
+static PyObject *py_ctx_select(PyObject *self, PyObject *args) {
+    Py_buffer b[6] = {{0}};
+    int width, shift, ebits, nclasses;
+    long long lo, start, stop;
+    if (!PyArg_ParseTuple(args, "y*iiiLiLLy*y*y*y*w*", &b[0], &width, &shift, &ebits, &lo, &nclasses, &start, &stop,
+                          &b[1], &b[2], &b[3], &b[4], &b[5])) {
+        release(b, 6);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    Select *s = NULL;
+    Py_ssize_t n, numel, ov_n;
+    if (check_width(width) < 0 || (numel = items(&b[0], width, "base")) < 0) goto done;
+    if (start < 0 || stop < start || stop > numel) {
+        PyErr_SetString(PyExc_ValueError, "need 0 <= start <= stop <= the base's length");
+        goto done;
+    }
+    if ((ov_n = items(&b[3], 8, "overlay_idx")) < 0 || check_len(&b[4], ov_n, width, "overlay_val") < 0) goto done;
+    for (Py_ssize_t o = 1; o < ov_n; o++) {
+        if (((const int64_t *)b[3].buf)[o] <= ((const int64_t *)b[3].buf)[o - 1]) {
+            PyErr_SetString(PyExc_ValueError, "overlay indices must be increasing");
+            goto done;
+        }
+    }
+    if ((s = select_new(width, shift, ebits, lo, nclasses, &b[1], &b[2], &n)) == NULL) goto done;
+    if (check_len(&b[5], n, 8, "idx_out") < 0) goto done;
+    {
+        Py_ssize_t left;
+#ifdef CTX_BLOCKS
+        Targets t;
+        if (blocks_usable(&s->k) && targets_init(&t, b[1].buf, b[2].buf, n, nclasses) == 0) {
+            Py_BEGIN_ALLOW_THREADS;
+            select_blocks(&s->k, (int)lo, nclasses, &t, b[0].buf, start, stop, b[3].buf, b[4].buf, ov_n, b[5].buf);
+            Py_END_ALLOW_THREADS;
+            left = t.left;
+        } else
+#endif
+        {
+            Py_BEGIN_ALLOW_THREADS;
+            BY_WIDTH(width, select_loop(W, s, b[0].buf, start, stop, b[3].buf, b[4].buf, ov_n, b[5].buf));
+            Py_END_ALLOW_THREADS;
+            left = s->left;
+        }
+        result = Py_NewRef(left == 0 ? Py_True : Py_False);
+    }
+done:
+    free(s);
+    release(b, 6);
+    return result;
+}
+
+PyDoc_STRVAR(ctx_apply_doc,
+             "ctx_apply(target, width, shift, ebits, lo, classes, start, stop, cls, ranks, delta, idx_out,\n"
+             "          pos_out) -> (done, fingerprint_change, ok)\n\n"
+             "One pass over target[start:stop]: resolve each (class, rank) pair as ctx_select does,\n"
+             "reading each element's class before it changes, and add the pair's delta there. The\n"
+             "changes applied go to idx_out / pos_out (index, class-major position) in index order,\n"
+             "so a caller can undo them; ok is False if some rank was never reached.");
+
+static PyObject *py_ctx_apply(PyObject *self, PyObject *args) {
+    Py_buffer b[6] = {{0}};
+    int width, shift, ebits, nclasses;
+    long long lo, start, stop;
+    if (!PyArg_ParseTuple(args, "w*iiiLiLLy*y*y*w*w*", &b[0], &width, &shift, &ebits, &lo, &nclasses, &start,
+                          &stop, &b[1], &b[2], &b[3], &b[4], &b[5])) {
+        release(b, 6);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    Select *s = NULL;
+    Py_ssize_t n, numel;
+    if (check_width(width) < 0 || (numel = items(&b[0], width, "target")) < 0) goto done;
+    if (start < 0 || stop < start || stop > numel) {
+        PyErr_SetString(PyExc_ValueError, "need 0 <= start <= stop <= the target's length");
+        goto done;
+    }
+    if ((s = select_new(width, shift, ebits, lo, nclasses, &b[1], &b[2], &n)) == NULL) goto done;
+    if (check_len(&b[3], n, width, "delta") < 0 || check_len(&b[4], n, 8, "idx_out") < 0 ||
+        check_len(&b[5], n, 8, "pos_out") < 0)
+        goto done;
+    {
+        EntryResult r;
+#ifdef CTX_BLOCKS
+        Targets t;
+        if (blocks_usable(&s->k) && targets_init(&t, b[1].buf, b[2].buf, n, nclasses) == 0) {
+            Py_BEGIN_ALLOW_THREADS;
+            r = apply_blocks(&s->k, (int)lo, nclasses, &t, b[0].buf, start, stop, b[3].buf, b[4].buf, b[5].buf);
+            Py_END_ALLOW_THREADS;
+        } else
+#endif
+        {
+            Py_BEGIN_ALLOW_THREADS;
+            BY_WIDTH(width, r = select_apply_loop(W, s, b[0].buf, start, stop, b[3].buf, b[4].buf, b[5].buf));
+            Py_END_ALLOW_THREADS;
+        }
+        result = Py_BuildValue("nKO", r.done, (unsigned long long)r.fp, r.ok ? Py_True : Py_False);
+    }
+done:
+    free(s);
+    release(b, 6);
+    return result;
+}
+
+PyDoc_STRVAR(ctx_histogram_doc,
+             "ctx_histogram(base, width, shift, ebits, start, stop, stride, run, counts_out)\n\n"
+             "Add to counts_out (int64, 2**ebits) the exponent of the first `run` elements of every\n"
+             "`stride` of base[start:stop] (patcher.context.choose_window's sample).");
+
+static PyObject *py_ctx_histogram(PyObject *self, PyObject *args) {
+    Py_buffer b[2] = {{0}};
+    int width, shift, ebits;
+    long long start, stop, step, run;
+    if (!PyArg_ParseTuple(args, "y*iiiLLLLw*", &b[0], &width, &shift, &ebits, &start, &stop, &step, &run, &b[1])) {
+        release(b, 2);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    Py_ssize_t numel;
+    if (check_width(width) < 0 || (numel = items(&b[0], width, "base")) < 0) goto done;
+    if (ebits < 1 || ebits > 11 || shift < 0 || shift + ebits > 8 * width || start < 0 || stop < start ||
+        stop > numel || step < 1 || run < 1 || run > step || check_len(&b[1], 1 << ebits, 8, "counts_out") < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "histogram arguments out of range");
+        goto done;
+    }
+    {
+        const unsigned char *base = b[0].buf;
+        int64_t *counts = b[1].buf;
+        const uint64_t emask = (1ULL << ebits) - 1;
+        Py_BEGIN_ALLOW_THREADS;
+        for (int64_t i = start; i < stop; i += step) {
+            const int64_t end = stop - i < run ? stop : i + run;
+            for (int64_t j = i; j < end; j++) counts[(load(base + j * width, width) >> shift) & emask]++;
+        }
+        Py_END_ALLOW_THREADS;
+        result = Py_NewRef(Py_None);
+    }
+done:
+    release(b, 2);
+    return result;
+}
+
 /* -- module ---------------------------------------------------------------------------- */
 
 static PyMethodDef methods[] = {
@@ -985,6 +2145,12 @@ static PyMethodDef methods[] = {
     {"apply_entry", py_apply_entry, METH_VARARGS, apply_entry_doc},
     {"encode_gaps", py_encode_gaps, METH_VARARGS, encode_gaps_doc},
     {"encode_deltas", py_encode_deltas, METH_VARARGS, encode_deltas_doc},
+    {"ctx_encode", py_ctx_encode, METH_VARARGS, ctx_encode_doc},
+    {"ctx_decode", py_ctx_decode, METH_VARARGS, ctx_decode_doc},
+    {"ctx_ranks", py_ctx_ranks, METH_VARARGS, ctx_ranks_doc},
+    {"ctx_select", py_ctx_select, METH_VARARGS, ctx_select_doc},
+    {"ctx_apply", py_ctx_apply, METH_VARARGS, ctx_apply_doc},
+    {"ctx_histogram", py_ctx_histogram, METH_VARARGS, ctx_histogram_doc},
     {NULL, NULL, 0, NULL},
 };
 

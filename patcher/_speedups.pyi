@@ -52,3 +52,53 @@ def apply_entry(
     limit: int,
     /,
 ) -> tuple[int, int, bool]: ...
+def ctx_encode(meta: In, classes: In, ranks: In, deltas: In, budget: int, /) -> tuple[int, bytes | None]: ...
+def ctx_decode(stream: In, meta: In, classes_out: Out, ranks_out: Out, deltas_out: Out, /) -> bool: ...
+def ctx_ranks(
+    base: In,
+    width: int,
+    shift: int,
+    ebits: int,
+    lo: int,
+    classes: int,
+    start: int,
+    indices: In,
+    classes_out: Out,
+    ranks_out: Out,
+    /,
+) -> None: ...
+def ctx_select(
+    base: In,
+    width: int,
+    shift: int,
+    ebits: int,
+    lo: int,
+    classes: int,
+    start: int,
+    stop: int,
+    cls: In,
+    ranks: In,
+    overlay_idx: In,
+    overlay_val: In,
+    idx_out: Out,
+    /,
+) -> bool: ...
+def ctx_apply(
+    target: Out,
+    width: int,
+    shift: int,
+    ebits: int,
+    lo: int,
+    classes: int,
+    start: int,
+    stop: int,
+    cls: In,
+    ranks: In,
+    delta: In,
+    idx_out: Out,
+    pos_out: Out,
+    /,
+) -> tuple[int, int, bool]: ...
+def ctx_histogram(
+    base: In, width: int, shift: int, ebits: int, start: int, stop: int, stride: int, run: int, counts_out: Out, /
+) -> None: ...

@@ -25,7 +25,9 @@ from numpy.typing import NDArray
 
 from patcher import native
 from patcher.apply import apply, check_bases, check_targets, check_threads, run_parallel, verification_failed
-from patcher.decode import EntryStreams, decode, entry_streams, shard_views
+from patcher.context_apply import ContextTask, apply_changes, refuse, undo_changes
+from patcher.context_decode import decode_changes
+from patcher.decode import EntryStreams, decode_views, entry_streams, shard_views
 from patcher.errors import FormatError
 from patcher.format import DEFAULT_LIMITS, DecodeLimits
 from patcher.patch import TensorSpec, check_layout
@@ -68,38 +70,61 @@ def apply_shards(
 
     ``specs``, if given, is the holder's layout (names, dtypes, shapes), which the
     patch's must equal (``IncompatibleTensors``): arrays alone show only widths.
+    Context-coded shards (docs/FORMAT.md 3.15) take ``tensors`` as their base, proven by
+    ``fingerprints`` (the holder's record of them) before anything is decoded.
 
     Raises what decode and apply raise, before any change for everything but a stream
     that turns out invalid mid-entry, whose changes (and every other) are undone first.
     """
     workers = check_threads(threads)
     if not native.active():
-        patch = decode(shards, limits=limits, specs=specs)  # the layout is checked from the headers
+        views, headers, infos = shard_views(shards, limits)
+        if specs is not None:
+            check_layout({name: info.spec for name, info in infos.items()}, specs)
+        check_targets({name: info.spec for name, info in infos.items()}, tensors)
+        check_bases({name: info.base_fingerprint for name, info in infos.items()}, fingerprints)
+        patch = decode_views(views, headers, infos, base=tensors, base_fingerprints=fingerprints)
         return apply(patch, tensors, fingerprints, threads=workers)
     views, headers, infos = shard_views(shards, limits)
     if specs is not None:
         check_layout({name: info.spec for name, info in infos.items()}, specs)
-    tasks = [es for view, h in zip(views, headers, strict=True) for es in entry_streams(view, h) if es.info.count]
     targets = check_targets({name: info.spec for name, info in infos.items()}, tensors)
     check_bases({name: info.base_fingerprint for name, info in infos.items()}, fingerprints)
+    tasks: list[EntryStreams | ContextTask] = []
+    for view, h in zip(views, headers, strict=True):
+        if h.codec == "context":
+            dtypes = {name: info.spec.dtype for name, info in h.tensors.items()}
+            tasks += [ContextTask(ch, dtypes[ch.entry.tensor]) for ch in decode_changes(view, h) if ch.entry.count]
+        else:
+            tasks += [es for es in entry_streams(view, h) if es.info.count]
+
+    def tensor_of(task: EntryStreams | ContextTask) -> str:
+        return task.info.tensor if isinstance(task, EntryStreams) else task.changes.entry.tensor
+
+    def run(task: EntryStreams | ContextTask) -> tuple[int, int, bool]:
+        target = targets[tensor_of(task)]
+        if isinstance(task, ContextTask):
+            return apply_changes(task, target)
+        return _run(task, target, False, task.info.count)
+
     # Entries cover disjoint element ranges, so they run in parallel without a lock.
-    outcomes = run_parallel(
-        lambda es: _run(es, targets[es.info.tensor], False, es.info.count),
-        tasks,
-        workers,
-        sum(info.changed for info in infos.values()),
-    )
+    outcomes = run_parallel(run, tasks, workers, sum(info.changed for info in infos.values()))
     change = dict.fromkeys(infos, 0)
     for task, (_, fp, _) in zip(tasks, outcomes, strict=True):
-        change[task.info.tensor] += fp
+        change[tensor_of(task)] += fp
     result = {name: (info.base_fingerprint + change[name]) & _MASK64 for name, info in infos.items()}
     refused = [task for task, (_, _, ok) in zip(tasks, outcomes, strict=True) if not ok]
     wrong = sorted(name for name, info in infos.items() if result[name] != info.target_fingerprint)
     if refused or wrong:
         for task, (done, _, _) in zip(tasks, outcomes, strict=True):
-            if done:
+            if isinstance(task, ContextTask):
+                undo_changes(task, targets[tensor_of(task)])
+            elif done:
                 _run(task, targets[task.info.tensor], True, done)
         if refused:
-            raise _refuse(refused[0])
+            first = refused[0]
+            if isinstance(first, ContextTask):
+                raise refuse(first, targets[tensor_of(first)])
+            raise _refuse(first)
         raise verification_failed(wrong, result, {name: info.target_fingerprint for name, info in infos.items()})
     return result

@@ -20,21 +20,36 @@ import zstandard
 from patcher.errors import CorruptData, FormatError, InvalidInput
 
 __all__ = [
+    "AUTO_CODEC",
     "CODECS",
+    "CONTEXT_CODEC",
     "DEFAULT_CODEC",
     "DEFAULT_LEVELS",
     "LEVEL_RANGES",
+    "PATCH_CODECS",
+    "PUBLISH_CODECS",
     "ZSTD_MAX_WINDOW",
     "Codec",
     "Decompressor",
+    "PatchCodec",
     "check_codec",
+    "check_patch_codec",
     "make_compressor",
 ]
 
-#: The name of an entropy coder, as shard headers (by id, patcher.format.CODEC_IDS),
-#: manifests and the CLI record it. The one list of codec names.
+#: The name of a stream compressor of codecs 1 and 2, as shard headers (by id,
+#: patcher.format.CODEC_IDS), manifests and the CLI record it.
 Codec = Literal["zstd", "lz4"]
 CODECS: Final[tuple[Codec, ...]] = get_args(Codec)
+#: Every patch codec: the stream compressors, and the context codec (docs/FORMAT.md
+#: 3.15), which codes against the base tensors a receiver holds. The one list of names.
+PatchCodec = Literal["zstd", "lz4", "context"]
+PATCH_CODECS: Final[tuple[PatchCodec, ...]] = get_args(PatchCodec)
+CONTEXT_CODEC: Final = "context"
+#: What a publisher may be told to write: a patch codec, or ``"auto"``, the context
+#: codec unless zstd comes out smaller (patcher.encode.encode_smallest).
+AUTO_CODEC: Final = "auto"
+PUBLISH_CODECS: Final[tuple[str, ...]] = (AUTO_CODEC, *PATCH_CODECS)
 #: The codec of ``encode`` and the publisher unless told otherwise.
 DEFAULT_CODEC: Final[Codec] = "zstd"
 #: After the transforms of patcher.streams, zstd levels differ by under 2% on real
@@ -51,6 +66,13 @@ def check_codec(codec: str) -> Codec:
     """``codec`` if it names a codec; raises ``InvalidInput`` otherwise."""
     if codec not in CODECS:
         raise InvalidInput(f"unknown codec {codec!r}; known: {', '.join(CODECS)}")
+    return codec
+
+
+def check_patch_codec(codec: str) -> PatchCodec:
+    """``codec`` if it names a patch codec; raises ``InvalidInput`` otherwise."""
+    if codec not in PATCH_CODECS:
+        raise InvalidInput(f"unknown codec {codec!r}; known: {', '.join(PATCH_CODECS)}")
     return codec
 
 

@@ -16,12 +16,14 @@ import json
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 import numpy as np
 from numpy.typing import NDArray
 
-from patcher.compression import Decompressor
+from patcher.compression import Decompressor, PatchCodec
+from patcher.context import MAX_CLASSES, ClassWindow, check_window
+from patcher.context_decode import check_base, coded_payload, decode_changes, resolve
 from patcher.errors import (
     CorruptData,
     FormatError,
@@ -31,6 +33,7 @@ from patcher.errors import (
 from patcher.fingerprint import parse_fingerprint
 from patcher.format import (
     CODEC_NAMES,
+    CONTEXT_STREAMS,
     DEFAULT_LIMITS,
     FILE_TYPE_PATCH_SHARD,
     FIXED_HEADER,
@@ -39,16 +42,21 @@ from patcher.format import (
     FORMAT_MINOR,
     HEADER_CRC_OFFSET,
     MAGIC,
+    MAX_CHANGES_PER_BYTE,
     MAX_NUMEL,
+    MIN_CODED_BYTES,
     STREAM_KINDS,
+    ContextEntry,
     DecodeLimits,
     EntryInfo,
+    EntryRange,
     ShardHeader,
     Stream,
     TensorInfo,
     canonical_json,
     compute_patch_id,
     entry_parts,
+    header_codec,
     stream_sizes,
 )
 from patcher.patch import Patch, TensorDelta, TensorSpec, check_layout
@@ -74,6 +82,8 @@ _TENSOR_KEYS: Final = frozenset({"base", "changed", "dtype", "shape", "target"})
 _ENTRY_KEYS: Final = frozenset(
     {"count", "delta_escape_width", "delta_escapes", "gap_escape_width", "gap_escapes", "start", "stop", "tensor"}
 )
+_CONTEXT_ENTRY_KEYS: Final = frozenset({"classes", "count", "lo", "start", "stop", "tensor"})
+_CONTEXT_STREAM_KEYS: Final = frozenset(CONTEXT_STREAMS)
 _U64_LIMIT: Final = 1 << 64
 
 
@@ -81,7 +91,7 @@ _U64_LIMIT: Final = 1 << 64
 class DecodedEntry:
     """One entry of a shard with its decoded arrays (absolute flat indices)."""
 
-    info: EntryInfo
+    info: EntryRange
     indices: NDArray[np.int64]
     delta: NDArray[np.unsignedinteger]
 
@@ -187,8 +197,8 @@ def _tensor_info(name: str, value: object, newer: bool, limits: DecodeLimits) ->
     return TensorInfo(spec, base, target, changed)
 
 
-def _entry(value: object, tensors: dict[str, TensorInfo], newer: bool) -> EntryInfo:
-    doc = _object(value, _ENTRY_KEYS, newer, "entry")
+def _entry_range(doc: dict[str, object], tensors: dict[str, TensorInfo]) -> tuple[str, int, int, int]:
+    """The (tensor, start, stop, count) of an entry object, every codec's, checked."""
     name = doc["tensor"]
     if not isinstance(name, str) or name not in tensors:
         raise FormatError(f"entry names a tensor the shard does not describe: {name!r}"[:200])
@@ -201,6 +211,13 @@ def _entry(value: object, tensors: dict[str, TensorInfo], newer: bool) -> EntryI
     count = _int(doc["count"], f"{name}: count", 0, stop - start)
     if count == 0 and (info.changed != 0 or start != 0 or stop != numel):
         raise FormatError(f"{name}: an empty entry must cover a whole unchanged tensor")
+    return name, start, stop, count
+
+
+def _entry(value: object, tensors: dict[str, TensorInfo], newer: bool) -> EntryInfo:
+    doc = _object(value, _ENTRY_KEYS, newer, "entry")
+    name, start, stop, count = _entry_range(doc, tensors)
+    info = tensors[name]
     escapes = []
     for kind, most in (("gap", 8), ("delta", info.spec.width)):
         n = _int(doc[f"{kind}_escapes"], f"{name}: {kind}_escapes", 0, count)
@@ -213,6 +230,20 @@ def _entry(value: object, tensors: dict[str, TensorInfo], newer: bool) -> EntryI
     if escapes[0] and (most < 3 or escapes[1] > byte_width(most - 3)):
         raise FormatError(f"{name}: gap escapes impossible for the range [{start}, {stop})")
     return EntryInfo(name, start, stop, count, *escapes)
+
+
+def _context_entry(value: object, tensors: dict[str, TensorInfo], newer: bool) -> ContextEntry:
+    doc = _object(value, _CONTEXT_ENTRY_KEYS, newer, "entry")
+    name, start, stop, count = _entry_range(doc, tensors)
+    lo = _int(doc["lo"], f"{name}: lo", 0, MAX_NUMEL)
+    classes = _int(doc["classes"], f"{name}: classes", 1, MAX_CLASSES)
+    try:
+        check_window(tensors[name].spec.dtype, ClassWindow(lo, classes))
+    except InvalidInput as e:
+        raise FormatError(f"{name}: {e}") from None
+    if count == 0 and (lo, classes) != (0, 1):
+        raise FormatError(f"{name}: an empty entry has class window lo 0, 1 class")
+    return ContextEntry(name, start, stop, count, lo, classes)
 
 
 def _streams(
@@ -245,9 +276,25 @@ def _streams(
     return out
 
 
+def _context_streams(
+    doc: dict[str, object], entries: list[ContextEntry], payload_length: int
+) -> dict[str, tuple[Stream, ...]]:
+    """A context-coded shard's one stream: the whole payload, empty iff nothing changed."""
+    refs = _object(doc["streams"], _CONTEXT_STREAM_KEYS, False, "streams")
+    offset, length = _ints(refs["coded"], 2, "streams.coded")
+    if offset != 0 or length != payload_length:
+        raise FormatError(f"the coded stream [{offset}, +{length}) is not the {payload_length}-byte payload")
+    changes = sum(e.count for e in entries)
+    # A change costs at least three coded decisions of at least 0.0013 bits each (the
+    # most skewed probability the model reaches): fewer bytes cannot hold them.
+    if (changes > 0) != (length > 0) or 0 < length < MIN_CODED_BYTES or changes > length * MAX_CHANGES_PER_BYTE:
+        raise FormatError(f"a {length}-byte coded stream cannot hold {changes} changes")
+    return {"coded": (Stream(0, length, length),)}
+
+
 def _header(
-    doc_value: object, newer: bool, payload_length: int, limits: DecodeLimits
-) -> tuple[str, int, int, dict[str, TensorInfo], tuple[EntryInfo, ...], dict[str, tuple[Stream, ...]]]:
+    doc_value: object, newer: bool, payload_length: int, limits: DecodeLimits, codec: PatchCodec
+) -> tuple[str, int, int, dict[str, TensorInfo], tuple[EntryRange, ...], dict[str, tuple[Stream, ...]]]:
     doc = _object(doc_value, _TOP_KEYS, newer, "header")
     patch_id = doc["patch"]
     if not isinstance(patch_id, str) or len(patch_id) != 64 or not set(patch_id) <= _HEX:
@@ -261,11 +308,11 @@ def _header(
     entries_doc = doc["entries"]
     if not isinstance(entries_doc, list) or len(entries_doc) > limits.max_entries:
         raise FormatError(f"entries must be a list of at most {limits.max_entries}")
-    entries: list[EntryInfo] = []
+    entries: list[EntryRange] = []
     decoded = 0
     per_tensor: dict[str, int] = {}
     for value in entries_doc:
-        e = _entry(value, tensors, newer)
+        e: EntryRange = _context_entry(value, tensors, newer) if codec == "context" else _entry(value, tensors, newer)
         if entries and (e.tensor, e.start) <= (entries[-1].tensor, entries[-1].start):
             raise FormatError(f"{e.tensor}: entries out of order")
         if entries and e.tensor == entries[-1].tensor and e.start < entries[-1].stop:
@@ -280,7 +327,10 @@ def _header(
         entries.append(e)
     if per_tensor.keys() != tensors.keys():
         raise FormatError("a tensor is described but has no entry in the shard")
-    streams = _streams(doc, entries, payload_length, limits)
+    if codec == "context":
+        streams = _context_streams(doc, [e for e in entries if isinstance(e, ContextEntry)], payload_length)
+    else:
+        streams = _streams(doc, [e for e in entries if isinstance(e, EntryInfo)], payload_length, limits)
     return patch_id, index, count, tensors, tuple(entries), streams
 
 
@@ -319,12 +369,13 @@ def read_shard_header(data: bytes | bytearray | memoryview, *, limits: DecodeLim
     stored = view[FIXED_HEADER_SIZE : FIXED_HEADER_SIZE + h_len]
     if zlib.crc32(stored, zlib.crc32(view[:HEADER_CRC_OFFSET])) != h_crc:
         raise CorruptData("header checksum mismatch")
-    raw = memoryview(Decompressor(CODEC_NAMES[codec_id])(stored, j_len, "header"))
+    codec = CODEC_NAMES[codec_id]
+    raw = memoryview(Decompressor(header_codec(codec))(stored, j_len, "header"))
     doc = _parse_json(raw)
     newer = minor > FORMAT_MINOR
-    patch_id, index, count, tensors, entries, streams = _header(doc, newer, p_len, limits)
+    patch_id, index, count, tensors, entries, streams = _header(doc, newer, p_len, limits, codec)
     return ShardHeader(
-        major, minor, CODEC_NAMES[codec_id], h_len, j_len, p_len, h_crc, p_crc,
+        major, minor, codec, h_len, j_len, p_len, h_crc, p_crc,
         patch_id, index, count, tensors, entries, streams,
     )  # fmt: skip
 
@@ -353,12 +404,9 @@ def entry_streams(view: memoryview, header: ShardHeader) -> list[EntryStreams]:
     Checks the shard's size and payload checksum, then decompresses every stream (each to
     its declared size); raises ``FormatError`` / ``CorruptData``.
     """
-    if len(view) != header.size:
-        kind = "truncated" if len(view) < header.size else "trailing bytes"
-        raise FormatError(f"{kind}: shard is {len(view)} bytes, its header says {header.size}")
-    payload = view[header.payload_offset :]
-    if zlib.crc32(payload) != header.payload_crc32:
-        raise CorruptData(f"payload checksum mismatch in shard {header.shard_index}")
+    if header.codec == "context":
+        raise InvalidInput("a context-coded shard has no gap and delta streams (patcher.context_decode)")
+    payload = coded_payload(view, header)
     decompress = Decompressor(header.codec)
     data = {
         kind: [
@@ -379,6 +427,8 @@ def entry_streams(view: memoryview, header: ShardHeader) -> list[EntryStreams]:
 
     out: list[EntryStreams] = []
     for e in header.entries:
+        if not isinstance(e, EntryInfo):  # pragma: no cover - codecs 1 and 2 parse to EntryInfo
+            raise InvalidInput(f"a {header.codec} shard has no gap and delta streams")
         parts = entry_parts(e)
         low, gap_codes, gap_escapes, delta_codes, delta_escapes = (take(kind, parts[kind]) for kind in STREAM_KINDS)
         spec = header.tensors[e.tensor].spec
@@ -411,11 +461,27 @@ def _decode_payload(view: memoryview, header: ShardHeader) -> tuple[DecodedEntry
     return tuple(decoded)
 
 
-def decode_shard(data: bytes | bytearray | memoryview, *, limits: DecodeLimits = DEFAULT_LIMITS) -> DecodedShard:
-    """Decode one shard on its own (it need not be the whole patch)."""
+def decode_shard(
+    data: bytes | bytearray | memoryview,
+    *,
+    limits: DecodeLimits = DEFAULT_LIMITS,
+    base: Mapping[str, NDArray[Any]] | None = None,
+    base_fingerprints: Mapping[str, int] | None = None,
+) -> DecodedShard:
+    """Decode one shard on its own (it need not be the whole patch); a context-coded one
+    against ``base`` (see :func:`decode`)."""
     view = _view(data)
     header = read_shard_header(view, limits=limits)
-    return DecodedShard(header, _decode_payload(view, header))
+    if header.codec != "context":
+        return DecodedShard(header, _decode_payload(view, header))
+    entries = [e for e in header.entries if isinstance(e, ContextEntry)]
+    bits = check_base(header.tensors, entries, base, base_fingerprints)
+    decoded = []
+    for changes in decode_changes(view, header):
+        found = resolve(changes, header.tensors[changes.entry.tensor].spec.dtype, bits.get(changes.entry.tensor))
+        order = np.argsort(found, kind="stable")
+        decoded.append(DecodedEntry(changes.entry, found[order], changes.delta[order]))
+    return DecodedShard(header, tuple(decoded))
 
 
 def check_shard_set(headers: Sequence[ShardHeader]) -> dict[str, TensorInfo]:
@@ -428,7 +494,7 @@ def check_shard_set(headers: Sequence[ShardHeader]) -> dict[str, TensorInfo]:
     if sorted(h.shard_index for h in headers) != list(range(len(headers))):
         raise FormatError("shard indices are not 0..n-1 exactly once each")
     tensors: dict[str, TensorInfo] = {}
-    ranges: dict[str, list[EntryInfo]] = {}
+    ranges: dict[str, list[EntryRange]] = {}
     for h in headers:
         for name, info in h.tensors.items():
             if tensors.setdefault(name, info) != info:
@@ -471,6 +537,8 @@ def decode(
     *,
     limits: DecodeLimits = DEFAULT_LIMITS,
     specs: Mapping[str, TensorSpec] | None = None,
+    base: Mapping[str, NDArray[Any]] | None = None,
+    base_fingerprints: Mapping[str, int] | None = None,
 ) -> Patch:
     """The patch that ``shards`` (every shard of it, in any order) encode.
 
@@ -478,15 +546,27 @@ def decode(
     ``specs``, if given, is the layout the patch must have (the holder's: names, dtypes,
     shapes; ``IncompatibleTensors`` otherwise), checked from the headers too, so that
     nothing is decompressed or allocated for tensors the holder does not have.
+
+    Context-coded shards (codec ``"context"``) decode against ``base``, every tensor's
+    bits before the patch (only read), proven first to be the patch's base: by
+    ``base_fingerprints``, the caller's verified record of those bits, or else by
+    fingerprinting them (``WrongBase`` when they differ, ``ContextUnavailable``
+    without a base). Other codecs ignore ``base``.
     """
     views, headers, tensors = shard_views(shards, limits)
     if specs is not None:
         check_layout({name: info.spec for name, info in tensors.items()}, specs)
-    return decode_views(views, headers, tensors)
+    return decode_views(views, headers, tensors, base=base, base_fingerprints=base_fingerprints)
 
 
 def decode_views(
-    views: Sequence[memoryview], headers: Sequence[ShardHeader], tensors: Mapping[str, TensorInfo]
+    views: Sequence[memoryview],
+    headers: Sequence[ShardHeader],
+    tensors: Mapping[str, TensorInfo],
+    *,
+    base: Mapping[str, NDArray[Any]] | None = None,
+    base_fingerprints: Mapping[str, int] | None = None,
+    pending: Patch | None = None,
 ) -> Patch:
     """The payloads of shards that :func:`shard_views` read the headers of, as a patch.
 
@@ -495,7 +575,15 @@ def decode_views(
     in two arrays for the whole patch that each entry decodes into in place, and the
     decompressed streams of one shard at a time. A caller that checked the headers
     against its own layout (``tensors`` against its specs) has thereby bounded it all.
+
+    ``base`` and ``base_fingerprints`` are :func:`decode`'s; ``pending`` is a patch to
+    read ``base`` through, as if applied (the fold of the transitions before this one,
+    when a node decodes several before it applies once): its base fingerprints must be
+    the record of ``base``, its targets this patch's bases.
     """
+    context = [e for h in headers for e in h.entries if isinstance(e, ContextEntry)]
+    steps = pending.tensors if pending is not None else None
+    bits = check_base(tensors, context, base, base_fingerprints, steps) if context else {}
     # Each tensor's changes sit contiguously, in name order; each entry's at the place
     # its predecessors (by start, across shards) leave. Deltas start on 8-byte bounds.
     names = sorted(tensors)
@@ -508,7 +596,7 @@ def decode_views(
         indices_total += info.changed
         deltas_total += -(-info.changed * info.spec.width // 8) * 8
     before: dict[tuple[str, int], int] = {}
-    by_tensor: dict[str, list[EntryInfo]] = {}
+    by_tensor: dict[str, list[EntryRange]] = {}
     for header in headers:
         for e in header.entries:
             by_tensor.setdefault(e.tensor, []).append(e)
@@ -519,15 +607,32 @@ def decode_views(
             done += e.count
     index_arena = np.empty(indices_total, dtype=np.int64)
     delta_arena = np.empty(deltas_total, dtype=np.uint8)
+
+    def place(e: EntryRange, spec: TensorSpec) -> tuple[NDArray[np.int64], NDArray[np.unsignedinteger]]:
+        first = before[e.tensor, e.start]
+        indices = index_arena[index_at[e.tensor] + first : index_at[e.tensor] + first + e.count]
+        at = delta_at[e.tensor] + first * spec.width
+        return indices, delta_arena[at : at + e.count * spec.width].view(spec.bits_dtype)
+
     for view, header in zip(views, headers, strict=True):
+        if header.codec == "context":
+            for changes in decode_changes(view, header):
+                e = changes.entry
+                if e.count == 0:
+                    continue
+                spec = tensors[e.tensor].spec
+                indices, delta = place(e, spec)
+                step = steps.get(e.tensor) if steps is not None else None
+                found = resolve(changes, spec.dtype, bits.get(e.tensor), step)
+                order = np.argsort(found, kind="stable")
+                np.take(found, order, out=indices)
+                np.take(changes.delta, order, out=delta)
+            continue
         for es in entry_streams(view, header):
             e, spec = es.info, es.spec
             if e.count == 0:
                 continue
-            first = before[e.tensor, e.start]
-            indices = index_arena[index_at[e.tensor] + first : index_at[e.tensor] + first + e.count]
-            at = delta_at[e.tensor] + first * spec.width
-            delta = delta_arena[at : at + e.count * spec.width].view(spec.bits_dtype)
+            indices, delta = place(e, spec)
             decode_gaps(
                 es.low, es.gap_codes, es.gap_escapes, e.count, e.gap_escapes, e.start, e.stop, es.what, out=indices
             )

@@ -26,6 +26,7 @@ from typing import ClassVar
 
 __all__ = [
     "BulletinError",
+    "ContextUnavailable",
     "CorruptData",
     "FormatError",
     "IncompatibleTensors",
@@ -106,6 +107,14 @@ class VerificationFailed(WrongBase):
     """Bits after an apply (or on disk) do not match the recorded fingerprint."""
 
     code = "verification_failed"
+
+
+class ContextUnavailable(WrongBase):
+    """A context-coded patch (docs/FORMAT.md 3.15) needs the bits of its base to decode,
+    and they were not given (a target that cannot show its bits on the host). Nothing was
+    changed; sync takes a keyframe route instead, decoding what follows against it."""
+
+    code = "context_unavailable"
 
 
 # -- Bulletin's own fault -------------------------------------------------------------

@@ -13,11 +13,13 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-from collections.abc import Mapping, Sequence
+import zlib
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Final
 
-from patcher.compression import Codec
+from patcher.compression import Codec, PatchCodec
+from patcher.context import ClassWindow
 from patcher.errors import InvalidInput
 from patcher.fingerprint import format_fingerprint
 from patcher.patch import TensorSpec
@@ -25,6 +27,7 @@ from patcher.patch import TensorSpec
 __all__ = [
     "CODEC_IDS",
     "CODEC_NAMES",
+    "CONTEXT_STREAMS",
     "DEFAULT_LIMITS",
     "FILE_TYPE_PATCH_SHARD",
     "FIXED_HEADER",
@@ -32,10 +35,14 @@ __all__ = [
     "FORMAT_MAJOR",
     "FORMAT_MINOR",
     "MAGIC",
+    "MAX_CHANGES_PER_BYTE",
     "MAX_NUMEL",
+    "MIN_CODED_BYTES",
     "STREAM_KINDS",
+    "ContextEntry",
     "DecodeLimits",
     "EntryInfo",
+    "EntryRange",
     "ShardHeader",
     "Stream",
     "TensorInfo",
@@ -43,6 +50,8 @@ __all__ = [
     "codes_size",
     "compute_patch_id",
     "entry_parts",
+    "frame_shard",
+    "header_codec",
     "stream_sizes",
     "tensor_document",
 ]
@@ -61,9 +70,16 @@ FIXED_HEADER_SIZE: Final = FIXED_HEADER.size
 #: The header CRC covers the fixed header up to (not including) its own field.
 HEADER_CRC_OFFSET: Final = FIXED_HEADER_SIZE - 4
 
-#: The id each codec (patcher.compression.CODECS) is recorded as in the fixed header.
-CODEC_IDS: Final[Mapping[Codec, int]] = {"zstd": 1, "lz4": 2}
-CODEC_NAMES: Final[Mapping[int, Codec]] = {v: k for k, v in CODEC_IDS.items()}
+#: The id each codec (patcher.compression.PATCH_CODECS) is recorded as in the fixed header.
+CODEC_IDS: Final[Mapping[PatchCodec, int]] = {"zstd": 1, "lz4": 2, "context": 3}
+CODEC_NAMES: Final[Mapping[int, PatchCodec]] = {v: k for k, v in CODEC_IDS.items()}
+
+
+def header_codec(codec: PatchCodec) -> Codec:
+    """The compressor of a shard's header (and of codecs 1 and 2, its streams): the
+    context codec's header is a zstd frame, as codec 1's is."""
+    return "zstd" if codec == "context" else codec
+
 
 #: Indices are int64, so no tensor may have 2**63 elements or more.
 MAX_NUMEL: Final = (1 << 63) - 1
@@ -139,14 +155,55 @@ def codes_size(count: int) -> int:
 
 
 @dataclass(frozen=True, slots=True)
-class EntryInfo:
-    """One element range ``[start, stop)`` of a tensor: how many changes, how many escapes."""
+class EntryRange:
+    """One element range ``[start, stop)`` of a tensor and its number of changes: what
+    every codec's entries have in common (coverage is checked on these)."""
 
     tensor: str
     start: int
     stop: int
     #: Changed elements in ``[start, stop)``.
     count: int
+
+    @property
+    def decoded_bytes(self) -> int:
+        """Bytes this entry adds to the shard's decoded streams."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True, slots=True)
+class ContextEntry(EntryRange):
+    """An entry of a context-coded shard (codec 3): its class window (patcher.context)."""
+
+    #: The exponent of class 0 and the number of classes (FORMAT.md 3.15.2).
+    lo: int
+    classes: int
+
+    @property
+    def window(self) -> ClassWindow:
+        return ClassWindow(self.lo, self.classes)
+
+    @property
+    def decoded_bytes(self) -> int:
+        # One coded stream for every entry: shares of it go by changes (for display).
+        return self.count
+
+    def document(self) -> dict[str, object]:
+        """The entry's JSON object."""
+        return {
+            "classes": self.classes,
+            "count": self.count,
+            "lo": self.lo,
+            "start": self.start,
+            "stop": self.stop,
+            "tensor": self.tensor,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class EntryInfo(EntryRange):
+    """An entry of codecs 1 and 2: how many changes, how many escapes."""
+
     #: Gaps whose high part ``g >> 8`` does not fit a 2-bit code, and their byte width.
     gap_escapes: int
     gap_escape_width: int
@@ -180,6 +237,13 @@ class EntryInfo:
 
 #: The streams of a shard, in payload order; ``*_escapes`` hold one stream per byte.
 STREAM_KINDS: Final = ("gap_low", "gap_codes", "gap_escapes", "delta_codes", "delta_escapes")
+#: The one stream of a context-coded shard: the range coder's bytes for all its entries.
+CONTEXT_STREAMS: Final = ("coded",)
+#: A coded stream is empty (no changes) or holds at least the coder's 5 flushed bytes.
+MIN_CODED_BYTES: Final = 5
+#: Most changes one byte of a coded stream can hold (FORMAT.md 3.15.1): a bound on what a
+#: few bytes may make a reader allocate.
+MAX_CHANGES_PER_BYTE: Final = 4096
 
 
 def entry_parts(entry: EntryInfo) -> dict[str, list[int]]:
@@ -216,7 +280,7 @@ class ShardHeader:
 
     major: int
     minor: int
-    codec: str
+    codec: PatchCodec
     #: Bytes of the header as stored (compressed unless equal to ``json_length``).
     header_length: int
     #: Bytes of the canonical JSON header once decompressed.
@@ -231,8 +295,10 @@ class ShardHeader:
     #: Every tensor with at least one entry in this shard, by name.
     tensors: Mapping[str, TensorInfo]
     #: By tensor name, then by start: the order of their data in every stream.
-    entries: tuple[EntryInfo, ...]
-    #: Kind (:data:`STREAM_KINDS`) -> its streams (one, or one per escape byte).
+    #: ``EntryInfo`` for codecs 1 and 2, ``ContextEntry`` for the context codec.
+    entries: tuple[EntryRange, ...]
+    #: Kind (:data:`STREAM_KINDS`, or :data:`CONTEXT_STREAMS`) -> its streams (one, or
+    #: one per escape byte).
     streams: Mapping[str, tuple[Stream, ...]]
 
     @property
@@ -256,8 +322,8 @@ class ShardHeader:
         proportion to the decoded bytes it put there; the shares add up to the payload.
         """
         out = dict.fromkeys(self.tensors, 0)
-        parts = [entry_parts(e) for e in self.entries]
-        for kind in STREAM_KINDS:
+        parts = [entry_parts(e) if isinstance(e, EntryInfo) else {"coded": [e.count]} for e in self.entries]
+        for kind in self.streams:
             for j, stream in enumerate(self.streams[kind]):
                 if stream.size == 0:
                     continue
@@ -302,3 +368,26 @@ def compute_patch_id(tensors: Mapping[str, TensorInfo]) -> str:
     """
     doc = {name: tensor_document(info) for name, info in tensors.items()}
     return hashlib.sha256(canonical_json(doc)).hexdigest()
+
+
+def frame_shard(
+    header_json: bytes, payload: bytes, codec: PatchCodec, compress_header: Callable[[bytes], bytes]
+) -> bytes:
+    """A whole shard: the fixed header (3.2), the header stored as ``compress_header``
+    makes it (verbatim when that is not shorter), the payload."""
+    # Names, keys and shapes repeat: the JSON shrinks ~5x, which matters for small models.
+    header = compress_header(header_json)
+    fixed = FIXED_HEADER.pack(
+        MAGIC,
+        FORMAT_MAJOR,
+        FORMAT_MINOR,
+        FILE_TYPE_PATCH_SHARD,
+        CODEC_IDS[codec],
+        len(header),
+        len(header_json),
+        len(payload),
+        zlib.crc32(payload),
+        0,
+    )
+    header_crc = zlib.crc32(header, zlib.crc32(fixed[:HEADER_CRC_OFFSET]))
+    return b"".join([fixed[:HEADER_CRC_OFFSET], header_crc.to_bytes(4, "little"), header, payload])

@@ -13,9 +13,10 @@ from typing import Final
 
 from pydantic import BaseModel
 
-from schemas.head import HeadV1
+from schemas.head import HeadV1, HeadV2
 from schemas.local_state import JournalV1, LocalStateV1
-from schemas.manifest import ManifestV1
+from schemas.manifest import ManifestV1, ManifestV2
+from schemas.signature import SignatureV1
 
 __all__ = ["DOCUMENTS", "SCHEMA_DIR", "render", "write"]
 
@@ -24,7 +25,10 @@ SCHEMA_DIR: Final = Path(__file__).parent / "json"
 #: File name -> model, one per document type and format version.
 DOCUMENTS: Final[dict[str, type[BaseModel]]] = {
     "manifest.v1.schema.json": ManifestV1,
+    "manifest.v2.schema.json": ManifestV2,
     "head.v1.schema.json": HeadV1,
+    "head.v2.schema.json": HeadV2,
+    "signature.v1.schema.json": SignatureV1,
     "local-state.v1.schema.json": LocalStateV1,
     "journal.v1.schema.json": JournalV1,
 }

@@ -10,8 +10,8 @@ from typing import Annotated, Literal
 
 from pydantic import Field, TypeAdapter, ValidationError, model_validator
 
-from patcher.compression import Codec
-from patcher.errors import InvalidInput
+from patcher.compression import Codec, PatchCodec
+from patcher.errors import InvalidInput, UnsupportedFormatVersion
 from patcher.fingerprint import parse_fingerprint
 from patcher.patch import TensorSpec
 from schemas.common import (
@@ -43,10 +43,13 @@ def check_metadata(metadata: Mapping[str, str]) -> dict[str, str]:
 
 __all__ = [
     "KeyframeRef",
+    "Manifest",
     "ManifestV1",
+    "ManifestV2",
     "Metadata",
     "ObjectRef",
     "PatchRef",
+    "PatchRefV2",
     "TensorEntry",
     "VersionStats",
     "check_metadata",
@@ -183,11 +186,50 @@ class ManifestV1(Document):
         return MappingProxyType(self._fingerprints)
 
 
+class PatchRefV2(PatchRef):
+    """The transition from the parent version to this one, in any codec (ManifestV2)."""
+
+    codec: PatchCodec  # type: ignore[assignment]  # a superset of V1's codecs
+    """Codec of the shards (also recorded in each shard's header): ``zstd``, ``lz4``, or
+    ``context`` (docs/FORMAT.md 3.15), which decodes against the base."""
+    context: Literal["base"] | None
+    """What a decoder must hold besides the shards: ``"base"``, the bits of the parent
+    version's tensors (every node at the parent version holds them; the shards name
+    their fingerprints, which the parent manifest lists), for the ``context`` codec;
+    null for the others, which need nothing."""
+
+    @model_validator(mode="after")
+    def _context_matches_codec(self) -> PatchRefV2:
+        if (self.codec == "context") != (self.context == "base"):
+            raise ValueError('context is "base" exactly when the codec is "context"')
+        return self
+
+
+class ManifestV2(ManifestV1):
+    """ManifestV1 whose patch may be context coded (docs/FORMAT.md 5): written only for a
+    version whose patch uses the ``context`` codec, so that every reader of spec_version
+    1 keeps reading the rest. Code typed with ManifestV1 accepts it (a subclass)."""
+
+    spec_version: Literal[2] = 2  # type: ignore[assignment]
+    """Format version of this document."""
+    patch: PatchRefV2 | None
+    """Transition from the parent; null for the first version or a layout change."""
+
+
 def parse_manifest(data: bytes, *, source: str = "manifest") -> ManifestV1:
-    """Validate manifest bytes; raises ``FormatError`` / ``UnsupportedFormatVersion``
-    (:func:`schemas.common.parse_document`)."""
-    return parse_document(ManifestV1, data, source=source)
+    """Validate manifest bytes of any version this reader knows (1 or 2); raises
+    ``FormatError`` / ``UnsupportedFormatVersion`` (:func:`schemas.common.parse_document`)."""
+    try:
+        return parse_document(ManifestV1, data, source=source)
+    except UnsupportedFormatVersion:
+        pass
+    try:
+        return parse_document(ManifestV2, data, source=source)
+    except UnsupportedFormatVersion:
+        raise UnsupportedFormatVersion(
+            f"{source}: this manifest's spec_version is not supported by this reader (knows 1 and 2); upgrade bulletin"
+        ) from None
 
 
 #: Every manifest version a reader understands, by its ``spec_version``.
-Manifest = Annotated[ManifestV1, Field(discriminator="spec_version")]
+Manifest = Annotated[ManifestV1 | ManifestV2, Field(discriminator="spec_version")]

@@ -14,7 +14,13 @@ what it measured; a section that fails records its error and the next one runs):
 - ``apply``: rollout side for the same patch, from its encoded shards in pinned host
   memory: entropy decode on the CPU (``patcher.decode``), staging into pinned buffers,
   host-to-device copy, scatter fused with the fingerprint update, per stage; and the
-  GPU gap decoding alternative (gaps host-to-device + ``decode_gaps``).
+  GPU gap decoding alternative (gaps host-to-device + ``decode_gaps``); and the same
+  patch in the context codec: CPU encode against the base, CPU entropy stage, classes,
+  ranks and deltas host-to-device, select + scatter + fingerprint (``apply_ranks``).
+- ``select``: the context codec's pass over the base (``select_ranks``, kernels/select.cu)
+  on 1e9 BF16 elements with 0.35 % of them queried, and the same fused with the
+  scatter-add and fingerprint change (``apply_ranks``), in GB/s of base, against a
+  device copy of the base in the same run.
 
 ``--dry-run`` runs everything at toy sizes on the NumPy twin (no GPU, no CuPy), so CI
 can check the script does not rot. Usage::
@@ -47,7 +53,8 @@ sys.path.insert(0, str(ROOT))
 from kernels import numpy_twin  # noqa: E402
 from kernels.dispatch import Backend  # noqa: E402
 from kernels.types import BitsArray, IndexArray  # noqa: E402
-from patcher.decode import decode  # noqa: E402
+from patcher.context_decode import decode_changes  # noqa: E402
+from patcher.decode import decode, read_shard_header  # noqa: E402
 from patcher.encode import encode  # noqa: E402
 from patcher.patch import Change, Patch, TensorDelta, TensorSpec  # noqa: E402
 
@@ -165,6 +172,12 @@ class Device:
         memory = self.xp.cuda.alloc_pinned_memory(nbytes)
         out: NDArray[np.uint8] = np.frombuffer(memory, dtype=np.uint8, count=nbytes)
         return out
+
+    def pinned_copy(self, data: bytes) -> NDArray[np.uint8]:
+        """``data`` in a page-locked host buffer (a downloaded shard, say)."""
+        buf = self.pinned(len(data))
+        buf[:] = np.frombuffer(data, dtype=np.uint8)
+        return buf
 
     def upload(self, host: NDArray[Any]) -> Any:
         """A device copy of a (pinned) host array, copied straight from it: ``cupy.asarray``
@@ -353,11 +366,7 @@ def bench_publish_and_apply(device: Device, dims: dict[str, int], reps: int) -> 
 
     # -- apply: the rollout side holds base_bits and the encoded shards (downloaded into
     # pinned buffers); decode on the CPU, stage, upload, scatter + fingerprint, verify.
-    pinned_shards = []
-    for shard in shards:
-        buf = device.pinned(len(shard))
-        buf[:] = np.frombuffer(shard, dtype=np.uint8)
-        pinned_shards.append(buf)
+    pinned_shards = [device.pinned_copy(shard) for shard in shards]
     apply_runs = []
     for _ in range(max(1, reps)):
         stages = {}
@@ -432,7 +441,126 @@ def bench_publish_and_apply(device: Device, dims: dict[str, int], reps: int) -> 
         "full_fingerprint_seconds": full_fp_seconds,
         "full_fingerprint_TBps": 2 * total / full_fp_seconds / TB,
     }
+    device.free()
+    apply["context_codec"] = bench_context_apply(device, patch, base_bits)
     return publish, apply
+
+
+def bench_context_apply(device: Device, patch: Patch, base_bits: dict[str, Any]) -> dict[str, Any]:
+    """The same patch in the context codec (docs/FORMAT.md 3.15): encoded on the CPU
+    against the base, then the rollout side: the entropy stage on the CPU
+    (``decode_changes``, which needs no base), each entry's classes, ranks and deltas
+    to the device, and select + scatter-add + fingerprint change in one kernel
+    (``apply_ranks``) on the device-resident base. The base is put back afterwards."""
+    backend = device.backend
+    # The benchmark's device tensors are flat; encode checks them against the specs' shapes.
+    host_base = {name: device.to_host(bits).reshape(patch.tensors[name].spec.shape) for name, bits in base_bits.items()}
+    started = time.perf_counter()
+    shards = encode(patch, codec="context", base=host_base)
+    encode_seconds = time.perf_counter() - started
+    host_base.clear()
+    pinned_shards = [device.pinned_copy(shard) for shard in shards]
+    stages: dict[str, float] = {}
+    with stage(stages, "entropy_decode_cpu", device):
+        changes = []
+        for buf in pinned_shards:
+            view = buf.data
+            changes += [cc for cc in decode_changes(view, read_shard_header(view)) if cc.entry.count]
+    with stage(stages, "host_to_device", device):
+        uploaded = [(cc, device.upload(cc.classes), device.upload(cc.ranks), device.upload(cc.delta)) for cc in changes]
+    change = dict.fromkeys(patch.tensors, 0)
+    with stage(stages, "select_scatter_fingerprint", device):
+        for cc, classes, ranks, delta in uploaded:
+            e = cc.entry
+            dtype = patch.tensors[e.tensor].spec.dtype
+            change[e.tensor] += backend.apply_ranks(
+                base_bits[e.tensor], dtype, cc.window, e.start, e.stop, classes, ranks, delta
+            )
+    verified = all(
+        (td.base_fingerprint + change[name]) & MASK64 == td.target_fingerprint for name, td in patch.tensors.items()
+    )
+    for name, td in patch.tensors.items():
+        if td.changed:
+            backend.apply_delta(base_bits[name], device.upload(td.indices), device.upload(-td.delta))
+    encoded = sum(map(len, shards))
+    return {
+        "encoded_bytes": encoded,
+        "bytes_per_changed": encoded / max(patch.changed_elements, 1),
+        "encode_cpu_seconds": encode_seconds,
+        "uploaded_bytes": sum(cc.classes.nbytes + cc.ranks.nbytes + cc.delta.nbytes for cc in changes),
+        "stages_seconds": stages,
+        "total_seconds": sum(stages.values()),
+        "verified": verified,
+    }
+
+
+def bench_select(device: Device, n: int, changed: float, reps: int) -> dict[str, Any]:
+    """Section ``select``: the context codec's pass over the base on the rollout side
+    (``select_ranks``: per-class counts of a BF16 base's exponent classes, then rank ->
+    index for ``changed`` of its elements), against a device copy of the base."""
+    xp, backend = device.xp, device.backend
+    from patcher.context import ClassWindow
+
+    # Plausible weights: |w| in [2**-7, 2), BF16 exponents 120..127, in a 12-class window.
+    base = backend.cast(device.random_bits(n, np.uint32, seed=5, finite_f32=True), "F32", "BF16")
+    window = ClassWindow(118, 12)
+    picked = device.random_bits(n, np.uint16, seed=6) < round(changed * 65536)
+    indices = xp.flatnonzero(picked)
+    picked = None
+    cls = xp.clip(((base >> 7) & 0xFF).astype(np.int16) - window.lo, 0, window.classes - 1).astype(np.uint8)
+    query_classes = cls[indices]
+    ranks = xp.empty(indices.size, dtype=np.int64)
+    for c in range(window.classes):
+        members = xp.cumsum(cls == c, dtype=np.int64) - 1  # rank of each member of class c
+        mine = query_classes == c
+        ranks[mine] = members[indices[mine]]
+        members = None
+    cls = None
+    order = xp.argsort(query_classes.astype(np.int64) * (1 << 40) + ranks)  # class-major
+    query_classes, ranks, expected = query_classes[order], ranks[order], indices[order]
+    device.free()
+
+    def select() -> Any:
+        return backend.select_ranks(base, "BF16", window, 0, n, query_classes, ranks)
+
+    seconds = median_time(device, select, reps)
+    exact = bool(xp.all(select() == expected))
+
+    # Fused with the scatter-add and the fingerprint change; undone by apply_delta
+    # (sorted indices), since the classes of the patched bits differ.
+    delta = xp.ones(expected.size, dtype=np.uint16)
+    by_index = xp.argsort(expected)
+    undo_indices, undo_delta = expected[by_index], -delta
+
+    def fused() -> int:
+        return backend.apply_ranks(base, "BF16", window, 0, n, query_classes, ranks, delta)
+
+    def undo(_: int) -> None:
+        backend.apply_delta(base, undo_indices, undo_delta)
+
+    fused_seconds = median_time(device, fused, reps, undo)
+    before = backend.fingerprint(base)
+    change = fused()
+    fused_exact = backend.fingerprint(base) == (before + change) & MASK64
+    undo(change)
+    scratch = xp.empty_like(base)
+    copy_seconds = median_time(device, lambda: xp.copyto(scratch, base), reps)
+    scratch = None
+    device.free()
+    return {
+        "elements": n,
+        "queries": int(indices.size),
+        "classes": window.classes,
+        "exact": exact,
+        "seconds": seconds,
+        "base_GBps": 2 * n / seconds / 1e9,
+        "copy_seconds": copy_seconds,
+        "copy_read_TBps": 2 * n / copy_seconds / TB,
+        "select_over_copy": copy_seconds / seconds,
+        "fused_apply_seconds": fused_seconds,
+        "fused_apply_base_GBps": 2 * n / fused_seconds / 1e9,
+        "fused_apply_fingerprint_exact": fused_exact,
+    }
 
 
 # -- driver --------------------------------------------------------------------------------
@@ -445,6 +573,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-tests", dest="tests", action="store_false", help="skip pytest -m gpu")
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions per measurement")
     parser.add_argument("--diff-elements", type=int, default=None, help="elements of the diff benchmark")
+    parser.add_argument("--select-elements", type=int, default=None, help="elements of the select benchmark")
     args = parser.parse_args(argv)
 
     args.out.mkdir(parents=True, exist_ok=True)
@@ -488,6 +617,8 @@ def main(argv: list[str] | None = None) -> int:
     section("publish", publish)
     if "apply" in both:
         report["apply"] = both["apply"]
+    select_n = args.select_elements or (1_000_003 if args.dry_run else 1_000_000_000)
+    section("select", lambda: bench_select(device, select_n, 0.0035, args.reps))
     save()
     print(json.dumps(report, indent=2, default=float))
     return 1 if report["errors"] else 0

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark, in one run, for a machine with a CUDA GPU (an H200
 # lent by the device tool, or any CUDA box): the gpu-marked tests, the kernel
-# benchmark (diff, apply, publish encode) and the engine-pause benchmark. Results go
+# benchmark (diff, apply, publish encode, the context codec's select_ranks/apply_ranks)
+# and the engine-pause benchmark. Results go
 # under $OUT (default ./gpu-results): pytest's log and JUnit XML, bench_gpu.json,
 # bench_pause.json.
 #

@@ -17,6 +17,7 @@ import importlib
 import os
 import sys
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Final
 
 import click
@@ -31,8 +32,9 @@ from bulletin.cli.bucket import (
     verify_command,
 )
 from bulletin.cli.demo import demo_command
+from bulletin.cli.mirror import mirror_command
 from bulletin.cli.offline import apply_command, diff_command, inspect_command
-from bulletin.cli.output import EXIT_CODES, Output, json_option
+from bulletin.cli.output import EXIT_CODES, Output, json_option, pass_output
 from bulletin.errors import BulletinError
 
 __all__ = ["EXIT_CODES", "cli", "main"]
@@ -74,6 +76,22 @@ def cli(ctx: click.Context) -> None:
     ctx.ensure_object(Output)
 
 
+@click.command("keygen")
+@click.argument("private_key", type=click.Path(dir_okay=False, path_type=Path))
+@json_option
+@pass_output
+def keygen_command(out: Output, private_key: Path) -> None:
+    """Write a new Ed25519 signing key to PRIVATE_KEY (mode 0600) and its public key to
+    PRIVATE_KEY.pub; never overwrites. Trainers sign with the first (publish --signing-key),
+    nodes trust the second (--trusted-key); see docs/SECURITY.md."""
+    from bulletin.signing import generate_key_files
+
+    public_key = private_key.with_name(private_key.name + ".pub")
+    key_id = generate_key_files(private_key, public_key)
+    data = {"key_id": key_id, "private_key": str(private_key), "public_key": str(public_key)}
+    out.emit(data, lambda: click.echo(f"key {key_id}: private {private_key} (keep it secret), public {public_key}"))
+
+
 for command in (
     diff_command,
     apply_command,
@@ -84,7 +102,9 @@ for command in (
     status_command,
     verify_command,
     gc_command,
+    mirror_command,
     demo_command,
+    keygen_command,
 ):
     cli.add_command(command)
 

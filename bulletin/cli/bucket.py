@@ -18,13 +18,14 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from bulletin.cli.options import store_options
+from bulletin.cli.options import signing_option, store_options, stores_options, trust_options
 from bulletin.cli.output import Output, human_bytes, json_option, pass_output
 from bulletin.errors import InvalidInput
-from patcher.compression import CODECS, DEFAULT_CODEC
+from patcher.compression import AUTO_CODEC, PUBLISH_CODECS
 
 if TYPE_CHECKING:
-    from bulletin.run import Run, StoredManifest
+    from bulletin.run import StoredManifest
+    from bulletin.sources import Reader
     from bulletin.storage import Store
     from bulletin.target import Held
 
@@ -90,8 +91,15 @@ def _age(created: datetime) -> str:
 @click.argument("checkpoint", type=click.Path(exists=True, path_type=Path))
 @store_options
 @click.option("--keyframe-every", type=click.IntRange(min=1), default=10, show_default=True)
-@click.option("--codec", type=click.Choice(CODECS), default=DEFAULT_CODEC, show_default=True)
+@click.option(
+    "--codec",
+    type=click.Choice(PUBLISH_CODECS),
+    default=AUTO_CODEC,
+    show_default=True,
+    help="Patch codec: auto (context, the smallest, unless zstd is smaller), context, zstd or lz4.",
+)
 @click.option("--meta", multiple=True, metavar="KEY=VALUE", help="Annotation stored in the manifest.")
+@signing_option
 @json_option
 @pass_output
 def publish_command(
@@ -102,9 +110,11 @@ def publish_command(
     keyframe_every: int,
     codec: str,
     meta: tuple[str, ...],
+    signing_key: Path | None,
 ) -> None:
     """Publish a safetensors checkpoint (file or directory) as the run's next version."""
     from bulletin.publisher import Publisher
+    from bulletin.signing import load_signer
 
     metadata = {}
     for item in meta:
@@ -114,7 +124,14 @@ def publish_command(
         metadata[key] = value
     t0 = time.perf_counter()
     with _byte_progress(out, "uploading") as on_bytes:
-        pub = Publisher(store, run, keyframe_every=keyframe_every, codec=codec, on_bytes=on_bytes)
+        pub = Publisher(
+            store,
+            run,
+            keyframe_every=keyframe_every,
+            codec=codec,
+            on_bytes=on_bytes,
+            signing_key=load_signer(signing_key),
+        )
         result = pub.publish_checkpoint(checkpoint, metadata=metadata)
         pub.close()
     data = {
@@ -141,7 +158,7 @@ def publish_command(
 
 
 @click.command("sync")
-@store_options
+@stores_options
 @click.option("--to", "local_dir", type=click.Path(file_okay=False, path_type=Path), required=True)
 @click.option("--version", type=click.IntRange(min=1), default=None, help="Version to reach [default: newest].")
 @click.option("--follow", is_flag=True, help="Keep polling and applying new versions until interrupted.")
@@ -158,26 +175,34 @@ def publish_command(
     help="Skip re-hashing DIR's bits against its version before syncing (reads the whole model once); "
     "damaged bits are rebuilt from a keyframe, never patched onto.",
 )
+@trust_options
 @json_option
 @pass_output
 def sync_command(
     out: Output,
-    store: str,
+    store: tuple[str, ...],
     run: str,
+    lag_grace: float,
     local_dir: Path,
     version: int | None,
     follow: bool,
     interval: float,
     allow_reset: bool,
     no_verify: bool,
+    trusted_keys: tuple[Path, ...],
+    max_head_age: float | None,
 ) -> None:
     """Bring a local directory to a version of the run (safetensors under DIR/current)."""
+    from bulletin.signing import load_trust
     from bulletin.subscriber import Subscriber
     from bulletin.target import LocalDirTarget
 
+    trust = load_trust(trusted_keys, max_head_age)  # a bad key file fails before DIR is opened
     with (
         _byte_progress(out, "downloading") as on_bytes,
-        Subscriber(store, run, local_dir, on_bytes=on_bytes, allow_reset=allow_reset) as sub,
+        Subscriber(
+            store, run, local_dir, on_bytes=on_bytes, allow_reset=allow_reset, trust=trust, lag_grace=lag_grace
+        ) as sub,
     ):
         before = sub.current_version
         check = None if no_verify else sub.verify(repair=False)  # damaged: the sync takes a keyframe route
@@ -234,14 +259,18 @@ def sync_command(
 @click.command("log")
 @store_options
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="Newest versions shown.")
+@trust_options
 @json_option
 @pass_output
-def log_command(out: Output, store: str, run: str, limit: int | None) -> None:
+def log_command(
+    out: Output, store: str, run: str, limit: int | None, trusted_keys: tuple[Path, ...], max_head_age: float | None
+) -> None:
     """The run's chain, newest first: version, kind, bytes, changed %, age."""
     from bulletin.maintenance import log
     from bulletin.run import Run
+    from bulletin.signing import load_trust
 
-    entries = log(Run(_existing_store(store), run), limit=limit)
+    entries = log(Run(_existing_store(store), run, trust=load_trust(trusted_keys, max_head_age)), limit=limit)
 
     def human() -> None:
         click.echo(f"{'version':>8}  {'kind':<15} {'bytes':>12} {'changed %':>10} {'age':>7}")
@@ -254,7 +283,7 @@ def log_command(out: Output, store: str, run: str, limit: int | None) -> None:
 
 
 @click.command("status")
-@store_options
+@stores_options
 @click.option("--local", "local_dir", type=click.Path(file_okay=False, path_type=Path), default=None)
 @click.option(
     "--verify",
@@ -263,21 +292,40 @@ def log_command(out: Output, store: str, run: str, limit: int | None) -> None:
     help="Also re-hash the local copy's bits against its version (reads the whole model; exit 6 if "
     "damaged). Run it between syncs: an apply in progress reads as damage.",
 )
+@trust_options
 @json_option
 @pass_output
-def status_command(out: Output, store: str, run: str, local_dir: Path | None, verify_local: bool) -> None:
+def status_command(
+    out: Output,
+    store: tuple[str, ...],
+    run: str,
+    lag_grace: float,
+    local_dir: Path | None,
+    verify_local: bool,
+    trusted_keys: tuple[Path, ...],
+    max_head_age: float | None,
+) -> None:
     """The run's head and newest version, and a local copy's version, lag, and whether the
-    run still continues it."""
-    from bulletin.run import Run
+    run still continues it. With several --store, each one's head too; the newest is what a
+    subscriber reading them in that order would take."""
+    from bulletin.signing import load_trust
+    from bulletin.sources import Sources
     from bulletin.storage import open_store
     from bulletin.target import LocalDirTarget
 
-    remote = Run(open_store(store), run)  # a store not there yet shows as empty
-    head = remote.read_head()
+    trust = load_trust(trusted_keys, max_head_age)
+    # A store not there yet shows as empty.
+    remote = Sources([open_store(url) for url in store], run, trust=trust, lag_grace=lag_grace)
+    head = remote.poll()
     tip = remote.tip()
+    urls = [each.store.url for each in remote.runs]
     data: dict[str, Any] = {
         "run": run,
-        "store": remote.store.url,
+        "store": urls[0],
+        "stores": [
+            {"url": url, "head_version": seen.head.version if seen else None}
+            for url, seen in zip(urls, remote.heads(), strict=True)
+        ],
         "head_version": head.head.version if head else None,
         "head_updated_at": head.head.updated_at if head else None,
         "newest_version": tip.version if tip else None,
@@ -291,7 +339,10 @@ def status_command(out: Output, store: str, run: str, local_dir: Path | None, ve
         data["local_verify"] = _rehash_local(local_dir, run) if verify_local and restored else None
 
     def human() -> None:
-        click.echo(f"run {run} in {remote.store.url}")
+        click.echo(f"run {run} in {', '.join(urls)}")
+        if len(urls) > 1:
+            heads = ", ".join(f"{s['url']}: {s['head_version'] or 'none'}" for s in data["stores"])
+            click.echo(f"  heads: {heads}")
         click.echo(f"  head: {data['head_version'] or 'none'}  newest committed: {data['newest_version'] or 'none'}")
         if local_dir is not None:
             click.echo(f"  local {local_dir}: {data['local_version'] or 'empty'} (lag {data['lag']})")
@@ -309,7 +360,7 @@ def status_command(out: Output, store: str, run: str, local_dir: Path | None, ve
         raise click.exceptions.Exit(6)
 
 
-def _local_chain(remote: Run, held: Held, tip: StoredManifest | None) -> dict[str, Any]:
+def _local_chain(remote: Reader, held: Held, tip: StoredManifest | None) -> dict[str, Any]:
     """Whether the run still continues the local copy's version (``check_chain``)."""
     from bulletin.errors import ChainMismatch, RunRewound
     from bulletin.sync import check_chain
@@ -343,14 +394,19 @@ def _rehash_local(local_dir: Path, run: str) -> dict[str, Any] | None:
 
 @click.command("verify")
 @store_options
+@trust_options
 @json_option
 @pass_output
-def verify_command(out: Output, store: str, run: str) -> None:
-    """Recompute the whole chain: digests, links, head, and every version's bits."""
+def verify_command(
+    out: Output, store: str, run: str, trusted_keys: tuple[Path, ...], max_head_age: float | None
+) -> None:
+    """Recompute the whole chain: digests, links, head, and every version's bits (and,
+    with --trusted-key, every signature)."""
     from bulletin.maintenance import verify
     from bulletin.run import Run
+    from bulletin.signing import load_trust
 
-    report = verify(Run(_existing_store(store), run))
+    report = verify(Run(_existing_store(store), run, trust=load_trust(trusted_keys, max_head_age)))
     data = {
         "ok": report.ok,
         "versions": report.versions,

@@ -31,6 +31,7 @@ from bulletin.errors import (
     NotFound,
     OutOfMemory,
     StorageUnavailable,
+    UntrustedVersion,
     WrongBase,
 )
 
@@ -60,6 +61,7 @@ EXIT_CODES: Final[tuple[tuple[type[BulletinError], int], ...]] = (
     (ChainMismatch, 10),
     (LocalStorageError, 11),
     (OutOfMemory, 12),
+    (UntrustedVersion, 13),
     (BulletinError, 1),
 )
 

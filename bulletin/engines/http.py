@@ -34,12 +34,14 @@ def request_json(
     *,
     timeout: float,
     ok_statuses: tuple[int, ...] = (200,),
+    text: bool = False,
 ) -> tuple[int, Any]:
     """Send ``payload`` as JSON and return ``(status, decoded body or None)``.
 
     Statuses outside ``ok_statuses`` are returned too when the body is JSON (engines
     explain refusals in it); unreachable engines, timeouts, non-JSON error bodies and
-    oversized bodies raise ``EngineError``.
+    oversized bodies raise ``EngineError``. With ``text``, a body that is not JSON is
+    returned as text, whatever the status (endpoints that answer in plain text).
     """
     data = None if payload is None else json.dumps(payload).encode()
     req = urllib.request.Request(url, data=data, method=method)
@@ -61,6 +63,8 @@ def request_json(
         try:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError):
+            if text:
+                return status, raw.decode("utf-8", errors="replace")
             if status in ok_statuses:
                 raise EngineError(f"{method} {url}: answered {status} with a body that is not JSON") from None
             raise EngineError(f"{method} {url}: HTTP {status}: {raw[:200]!r}") from None

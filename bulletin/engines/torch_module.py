@@ -27,6 +27,7 @@ it over): bits are patched, never converted.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
@@ -44,7 +45,7 @@ from bulletin.errors import (
 )
 from bulletin.target import Held, WeightTarget
 from kernels.dispatch import DTYPE_NAMES
-from patcher.fingerprint import format_fingerprint
+from patcher.fingerprint import fingerprint, format_fingerprint
 from patcher.fingerprint_update import fingerprint_change
 from patcher.names import check_tensor_name
 from patcher.patch import Patch, TensorDelta, TensorSpec, check_names
@@ -57,6 +58,7 @@ if TYPE_CHECKING:
 __all__ = [
     "TORCH_DTYPE_NAMES",
     "TorchTarget",
+    "engine_drops",
     "module_tensors",
     "packed_views",
     "torch_dtype",
@@ -125,10 +127,49 @@ def module_tensors(
     return served, aliases
 
 
+#: Checkpoint tensors an engine's loader drops because it derives them (vLLM
+#: ``model_executor/models/utils.py``, ``AutoWeightsLoader.REMOVE_UNUSED_ROTARY_EMBEDS_MAPPER``):
+#: rotary tables some trainers save.
+_ROTARY_CACHES: Final = (
+    "rotary_pos_emb.inv_freq",
+    "rotary_emb.inv_freq",
+    "rotary_emb.cos_cached",
+    "rotary_emb.sin_cached",
+)
+#: Layer prefixes of a checkpoint's layers; an index past the engine's last layer is a
+#: multi-token-prediction layer (vLLM ``get_spec_layer_idx_from_weight_name``).
+_LAYER: Final = re.compile(r"(?:model\.language_model\.|model\.)?layers\.(\d+)\.")
+
+
+def engine_drops(name: str, params: Mapping[str, object]) -> bool:
+    """Whether a served tensor that has no engine parameter is one the engine's own
+    loader drops, by an explicit rule (docs/ENGINES.md, "Tensors the engine does not serve"):
+
+    - rotary caches (``*.rotary_emb.inv_freq``, ``cos_cached``, ``sin_cached``,
+      ``rotary_pos_emb.inv_freq``): derived from the config, never loaded;
+    - multi-token-prediction layers: ``[model.[language_model.]]layers.<k>.*`` with ``k``
+      past the last layer the engine has (DeepSeek-style MTP heads, loaded only into a
+      speculative drafter, which changes speed, never the served distribution).
+
+    Such tensors stay in the node's folder (verified and patched like the others) and are
+    not applied to the engine. Any other missing tensor is an incompatibility.
+    """
+    if name.endswith(_ROTARY_CACHES):
+        return True
+    match = _LAYER.match(name)
+    if match is None:
+        return False
+    prefix = name[: match.start(1)]
+    layers = [int(m.group(1)) for p in params if (m := _LAYER.match(p)) and p[: m.start(1)] == prefix]
+    return bool(layers) and int(match.group(1)) > max(layers)
+
+
 def packed_views(
     params: Mapping[str, torch.Tensor],
     specs: Mapping[str, TensorSpec],
     packed_modules_mapping: Mapping[str, Sequence[str]] | None = None,
+    *,
+    drops: Callable[[str, Mapping[str, object]], bool] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Views of an engine's parameters that hold each served tensor, without copying.
 
@@ -144,7 +185,9 @@ def packed_views(
        parameter with ``m`` replaced by ``p``, at the offset of the members before ``m``
        (their sizes come from ``specs``); the members must tile the parameter exactly.
 
-    Anything else (tensor-parallel shards, transposed or quantized storage) raises
+    A tensor found neither way is left out of the result if ``drops(name, params)``
+    says the engine does not serve it (:func:`engine_drops`); anything else
+    (tensor-parallel shards, transposed or quantized storage) raises
     ``IncompatibleTensors`` naming the tensors that could not be placed. Placement is
     then proven by fingerprints: a wrong view fails the first base-fingerprint check
     before anything is written.
@@ -157,10 +200,10 @@ def packed_views(
         view = _direct_view(params.get(name), spec)
         if view is None:
             view = _packed_view(params, specs, name, spec, packed, member_of)
-        if view is None:
-            missing.append(name)
-        else:
+        if view is not None:
             views[name] = view
+        elif drops is None or not drops(name, params):
+            missing.append(name)
     if missing:
         raise IncompatibleTensors(
             f"{len(missing)} served tensors have no matching engine parameter "
@@ -404,6 +447,13 @@ class TorchTarget(WeightTarget):
         # Live tensors hold whatever the process loaded; nothing is known to be verified.
         return None
 
+    def context_bits(self) -> Mapping[str, Bits] | None:
+        # CPU tensors are shown as they are (zero-copy views); a CUDA tensor's bits are not
+        # on the host, so context-coded patches then come by a keyframe route.
+        if not all(slot.on_cpu for slot in self._slots.values()):
+            return None
+        return {name: slot.bits for name, slot in self._slots.items()}
+
     def load_full(self, tensors: Mapping[str, Bits], specs: Mapping[str, TensorSpec]) -> None:
         """Overwrite every tensor with ``tensors`` (bits arrays); checks everything first."""
         _check_same_layout(specs, self._specs)
@@ -414,6 +464,11 @@ class TorchTarget(WeightTarget):
         self._prepared = self._undo = None
         for name, slot in self._slots.items():
             slot.overwrite(tensors[name])
+        # Read back from the live tensors (on their device): the engine computes with
+        # these bits, so a copy that did not land is found before the version is activated.
+        bad = [name for name, slot in self._slots.items() if slot.fingerprint() != fingerprint(tensors[name])]
+        if bad:
+            raise VerificationFailed(f"{len(bad)} tensors did not load bit for bit: {bad[:3]}")
 
     def prepare(self, patch: Patch, fingerprints: Mapping[str, int]) -> None:
         """Check and precompute an apply without writing anything (see the class notes)."""

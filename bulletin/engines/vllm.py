@@ -1,11 +1,12 @@
 """vLLM: patch the workers' parameters in place through a worker extension.
 
-Written against vLLM's V1 engine (vllm-project/vllm ``vllm/v1/worker/worker_base.py``:
-``--worker-extension-cls`` mixes a class into every worker, and ``collective_rpc``
-calls a method by name on all of them; ``vllm/entrypoints/serve/rpc/api_router.py``:
-with ``VLLM_SERVER_DEV_MODE=1`` the OpenAI server exposes ``POST /collective_rpc``
-``{"method", "args", "kwargs", "timeout"}`` -> ``{"results": [one per worker]}``, with
-string arguments only).
+Written against vLLM 0.33.0 (vllm-project/vllm, commit ``4ba787ec9``; docs/ENGINES.md
+cites each file): ``--worker-extension-cls`` mixes a class into every worker, and with
+``VLLM_SERVER_DEV_MODE=1`` the OpenAI server exposes ``POST /collective_rpc``
+``{"method", "args", "kwargs", "timeout"}`` -> ``{"results": [one per worker of the
+first engine]}`` (string arguments only), plus the control endpoints used here:
+``/pause?mode=abort`` and ``/resume``, ``/reset_prefix_cache`` (``{"success": bool}``),
+``/reset_encoder_cache``, ``/update_weight_version`` and ``/get_world_size``.
 
 Start vLLM from the folder the sidecar keeps::
 
@@ -13,18 +14,23 @@ Start vLLM from the folder the sidecar keeps::
         --worker-extension-cls bulletin.engines.vllm.BulletinWorkerExtension
 
 :class:`VLLMTarget` (the sidecar side) applies each version to that folder first
-(journaled, verified: it is what a restarted engine loads), then writes the patch in
-Bulletin's own shard format to a spool folder on the same machine and calls
-``bulletin_apply`` on every worker. Each worker decodes the shards and applies them
-with :class:`~bulletin.engines.torch_module.TorchTarget` to zero-copy views of its own
+(journaled, verified: it is what a restarted engine loads), pauses the engine
+(``mode=abort``: requests that outlived the sidecar's drain end with finish reason
+``abort``, and nothing runs while bits change), writes the patch in Bulletin's own
+shard format to a spool folder on the same machine and calls ``bulletin_apply`` on
+every worker. Each worker decodes the shards and applies them with
+:class:`~bulletin.engines.torch_module.TorchTarget` to zero-copy views of its own
 parameters (:func:`~bulletin.engines.torch_module.packed_views` finds ``q_proj`` inside
-``qkv_proj`` and so on): CUDA scatter kernels, O(changed elements), no reload, and the
-CUDA graphs keep pointing at the same memory. Base fingerprints are checked on the
-worker before anything is written, so a view in the wrong place is refused, never
-applied. Tensor parallelism (sharded parameters) is refused at bind time.
+``qkv_proj`` and so on). At activation the prefix and encoder caches are reset (nothing
+computed with the old bits is reused), vLLM's weight version is set to Bulletin's, and
+the engine resumes. Tensor parallelism (sharded parameters) is refused at bind time.
 
-Every worker method takes one JSON string and returns a JSON-able dict,
-``{"ok": true, ...}`` or ``{"ok": false, "code": <bulletin error code>, "message": ...}``.
+Every state-changing call carries the fingerprints the worker must end on, and every
+worker checks its own result: vLLM's API server returns the results of the first
+data-parallel engine only, but an exception raised by any engine's worker reaches the
+caller (``call_utility_all_async`` gathers them). So a worker that fails, or lands on
+other bits, raises ``RuntimeError("bulletin-error {json}")``, which the target turns
+back into the Bulletin error it names.
 """
 
 from __future__ import annotations
@@ -43,22 +49,30 @@ from numpy.typing import NDArray
 
 from bulletin import errors
 from bulletin.engines.http import engine_url, request_json
-from bulletin.engines.torch_module import TorchTarget, packed_views
-from bulletin.errors import BulletinError, EngineError, FormatError, InvalidInput
+from bulletin.engines.torch_module import TorchTarget, engine_drops, packed_views
+from bulletin.errors import (
+    BulletinError,
+    EngineError,
+    FingerprintMismatch,
+    InvalidInput,
+    VerificationFailed,
+)
 from bulletin.target import Held, LocalDirTarget, WeightTarget
-from patcher.fingerprint import format_fingerprint, parse_fingerprint
+from patcher.fingerprint import fingerprint, format_fingerprint, parse_fingerprint
 from patcher.patch import Patch, TensorSpec
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["BulletinWorkerExtension", "VLLMTarget", "WorkerState"]
+__all__ = ["ERROR_MARK", "BulletinWorkerExtension", "VLLMTarget", "WorkerState"]
 
 Bits = NDArray[np.unsignedinteger]
 log = logging.getLogger("bulletin.engines.vllm")
 
 #: Largest spool shard; the decoder's own limits apply on the worker.
 SPOOL_SHARD_BYTES: Final = 64 << 20
+#: What a worker's exception message starts its JSON error with (vLLM relays the text).
+ERROR_MARK: Final = "bulletin-error "
 
 _ERRORS: Final[dict[str, type[BulletinError]]] = {
     cls.code: cls for cls in vars(errors).values() if isinstance(cls, type) and issubclass(cls, BulletinError)
@@ -99,6 +113,10 @@ def _fps_from_json(value: object) -> dict[str, int]:
         raise InvalidInput(f"bad fingerprint: {exc}") from None
 
 
+def _differing(held: Mapping[str, int], expected: Mapping[str, int]) -> list[str]:
+    return sorted(n for n in held.keys() | expected.keys() if held.get(n) != expected.get(n))
+
+
 # -- worker side -------------------------------------------------------------------------
 
 
@@ -106,22 +124,29 @@ class WorkerState:
     """What one worker holds: its model's views as a TorchTarget. Engine-independent.
 
     ``model`` is the worker's ``nn.Module``. The extension below creates one per worker;
-    tests drive it with any torch module laid out the way vLLM lays out its own.
+    tests drive it with any torch module laid out the way vLLM lays out its own. Served
+    tensors the engine's loader drops (:func:`~bulletin.engines.torch_module.engine_drops`)
+    are left out of the binding: ``dropped`` names them.
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
         self.target: TorchTarget | None = None
+        self.specs: dict[str, TensorSpec] | None = None
+        self.dropped: list[str] = []
 
     def bind(self, specs: Mapping[str, TensorSpec]) -> None:
         """Find every served tensor in the model's parameters and buffers (no copies)."""
         params: dict[str, torch.Tensor] = dict(self.model.named_parameters(remove_duplicate=False))
         params.update(dict(self.model.named_buffers(remove_duplicate=False)))
         packed = getattr(self.model, "packed_modules_mapping", None) or {}
-        self.target = TorchTarget(packed_views(params, specs, packed))
+        views = packed_views(params, specs, packed, drops=engine_drops)
+        self.target = TorchTarget(views)
+        self.specs = dict(specs)
+        self.dropped = sorted(specs.keys() - views.keys())
 
     def _bound(self, specs: Mapping[str, TensorSpec] | None) -> TorchTarget:
-        if specs is not None and (self.target is None or dict(self.target.layout()) != dict(specs)):
+        if specs is not None and (self.target is None or self.specs != dict(specs)):
             self.bind(specs)
         if self.target is None:
             raise InvalidInput("the worker has not been bound to a layout yet")
@@ -135,32 +160,34 @@ class WorkerState:
                 raise InvalidInput("request must be a JSON object")
             result = self._dispatch(method, body)
         except BulletinError as exc:
-            return {"ok": False, "code": exc.code, "message": str(exc)}
+            return {"ok": False, "code": exc.code, "message": str(exc), **getattr(exc, "details", {})}
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             return {"ok": False, "code": InvalidInput.code, "message": f"request is not JSON: {exc}"}
         return {"ok": True, **result}
 
     def _dispatch(self, method: str, body: dict[str, Any]) -> dict[str, Any]:
         specs = _specs_from_json(body["specs"]) if "specs" in body else None
+        expect = _fps_from_json(body["expect"]) if "expect" in body else None
         if method == "bind":
             self._bound(specs)
-            return {}
+            return {"dropped": self.dropped}
         target = self._bound(specs)
         if method == "fingerprints":
-            return {"fingerprints": _fps_to_json(target.full_fingerprints())}
+            return {"fingerprints": _fps_to_json(self._check(target.full_fingerprints(), expect, FingerprintMismatch))}
         if method == "load":
             from bulletin.checkpoint import Checkpoint
 
             with Checkpoint(_path(body, "path")) as ckpt:
-                tensors = {name: ckpt.bits(name) for name in ckpt.specs}
-                target.load_full(tensors, ckpt.specs)
-            return {}
+                held = target.layout()
+                target.load_full({name: ckpt.bits(name) for name in held}, held)
+            # Read back from the live parameters: what the engine computes with.
+            return {"fingerprints": _fps_to_json(self._check(target.full_fingerprints(), expect, VerificationFailed))}
         if method == "apply":
             from patcher.decode import decode
 
             shards = [Path(p).read_bytes() for p in _paths(body, "shards")]
             fps = target.apply(decode(shards), _fps_from_json(body.get("fingerprints")))
-            return {"fingerprints": _fps_to_json(fps)}
+            return {"fingerprints": _fps_to_json(self._check(fps, expect, VerificationFailed))}
         if method == "abort":
             target.abort()
             return {}
@@ -171,6 +198,17 @@ class WorkerState:
             target.activate(version)
             return {"version": version}
         raise InvalidInput(f"unknown method {method!r}")
+
+    @staticmethod
+    def _check(held: dict[str, int], expect: Mapping[str, int] | None, kind: type[BulletinError]) -> dict[str, int]:
+        if expect is None:
+            return held
+        bad = _differing(held, expect)
+        if bad:
+            exc = kind(f"the worker holds other bits than expected for {len(bad)} tensor(s): {bad[:3]}")
+            exc.details = {"fingerprints": _fps_to_json({n: held[n] for n in bad if n in held}), "mismatched": bad}  # type: ignore[attr-defined]
+            raise exc
+        return held
 
 
 def _path(body: Mapping[str, Any], key: str) -> Path:
@@ -192,7 +230,8 @@ class BulletinWorkerExtension:
 
     vLLM refuses an extension whose attribute names clash with the worker's, so every
     name here starts with ``bulletin_``. Call through ``collective_rpc`` with one JSON
-    string argument (see :class:`VLLMTarget`).
+    string argument (see :class:`VLLMTarget`). A failure raises, so that it reaches the
+    caller from any data-parallel engine, not only from the first.
     """
 
     def bulletin_state(self) -> WorkerState:
@@ -204,23 +243,41 @@ class BulletinWorkerExtension:
             self._bulletin_worker_state = state
         return state
 
+    def bulletin_call(self, method: str, request: str) -> dict[str, Any]:
+        result = self.bulletin_state().handle(method, request)
+        if result.get("ok") is not True:
+            raise RuntimeError(ERROR_MARK + json.dumps(result))
+        return result
+
     def bulletin_bind(self, request: str) -> dict[str, Any]:
-        return self.bulletin_state().handle("bind", request)
+        return self.bulletin_call("bind", request)
 
     def bulletin_fingerprints(self, request: str) -> dict[str, Any]:
-        return self.bulletin_state().handle("fingerprints", request)
+        return self.bulletin_call("fingerprints", request)
 
     def bulletin_load(self, request: str) -> dict[str, Any]:
-        return self.bulletin_state().handle("load", request)
+        return self.bulletin_call("load", request)
 
     def bulletin_apply(self, request: str) -> dict[str, Any]:
-        return self.bulletin_state().handle("apply", request)
+        return self.bulletin_call("apply", request)
 
     def bulletin_abort(self, request: str) -> dict[str, Any]:
-        return self.bulletin_state().handle("abort", request)
+        return self.bulletin_call("abort", request)
 
     def bulletin_activate(self, request: str) -> dict[str, Any]:
-        return self.bulletin_state().handle("activate", request)
+        return self.bulletin_call("activate", request)
+
+
+def _worker_error(text: str) -> dict[str, Any] | None:
+    """The JSON a worker put after :data:`ERROR_MARK` in an exception message, if any."""
+    at = text.find(ERROR_MARK)
+    if at < 0:
+        return None
+    with contextlib.suppress(json.JSONDecodeError):
+        found, _ = json.JSONDecoder().raw_decode(text, at + len(ERROR_MARK))
+        if isinstance(found, dict):
+            return found
+    return None
 
 
 # -- sidecar side ------------------------------------------------------------------------
@@ -252,32 +309,103 @@ class VLLMTarget(WeightTarget):
         self.spool_dir = Path(spool_dir) if spool_dir is not None else local.dir / "spool"
         self.spool_dir.mkdir(parents=True, exist_ok=True)
         self._bound_specs: dict[str, TensorSpec] | None = None
+        #: Served tensors the engine does not hold (see ``engine_drops``), per binding.
+        self.dropped: frozenset[str] = frozenset()
+        #: Fingerprints of what every worker was last shown to hold (engine tensors only).
+        self._engine_fps: dict[str, int] | None = None
+        self._workers: int | None = None
+        self._paused = False
 
-    # -- RPC -------------------------------------------------------------------------------
+    # -- HTTP ------------------------------------------------------------------------------
+
+    def _post(self, path: str, payload: Any = None, *, what: str) -> Any:
+        status, body = request_json("POST", f"{self.url}{path}", payload, timeout=self.timeout + 30.0)
+        if status != 200:
+            raise self._failure(status, body, what)
+        return body
+
+    def _failure(self, status: int, body: Any, what: str) -> BulletinError:
+        message = _message(body)
+        found = _worker_error(message)
+        if found is not None:
+            cls = _ERRORS.get(str(found.get("code")), EngineError)
+            exc = cls(f"vLLM worker: {found.get('message')}")
+            exc.details = found  # type: ignore[attr-defined]
+            return exc
+        hint = (
+            "; is the server started with VLLM_SERVER_DEV_MODE=1 and --worker-extension-cls "
+            "bulletin.engines.vllm.BulletinWorkerExtension?"
+            if status == 404
+            else ""
+        )
+        return EngineError(f"vLLM {what} failed (HTTP {status}): {message}{hint}")
+
+    def workers(self) -> int:
+        """Workers of one engine (tensor x pipeline parallel): results every RPC must have."""
+        if self._workers is None:
+            status, body = request_json(
+                "GET", f"{self.url}/get_world_size?include_dp=false", timeout=min(self.timeout, 60.0)
+            )
+            size = body.get("world_size") if isinstance(body, dict) else None
+            if status != 200 or not isinstance(size, int) or size < 1:
+                raise self._failure(status, body, "get_world_size")
+            self._workers = size
+        return self._workers
 
     def call(self, method: str, body: Mapping[str, Any]) -> list[dict[str, Any]]:
-        """``collective_rpc("bulletin_<method>", [json])``; one result per worker, all ok."""
-        endpoint = f"{self.url}/collective_rpc"
+        """``collective_rpc("bulletin_<method>", [json])``: one result per worker, all ok.
+
+        Only the first data-parallel engine's results come back (vLLM's API server); the
+        other engines' workers check the ``expect`` fingerprints of ``body`` themselves
+        and raise, which does come back.
+        """
         payload = {"method": f"bulletin_{method}", "args": [json.dumps(body)], "timeout": self.timeout}
-        status, answer = request_json("POST", endpoint, payload, timeout=self.timeout + 30.0)
-        if status != 200 or not isinstance(answer, dict) or not isinstance(answer.get("results"), list):
-            detail = answer.get("detail") if isinstance(answer, dict) else answer
-            raise EngineError(
-                f"vLLM collective_rpc {method} failed (HTTP {status}): {detail}; is the server "
-                "started with VLLM_SERVER_DEV_MODE=1 and --worker-extension-cls "
-                "bulletin.engines.vllm.BulletinWorkerExtension?"
-            )
-        results: list[dict[str, Any]] = []
-        for i, result in enumerate(answer["results"]):
-            if not isinstance(result, dict):
-                raise EngineError(f"vLLM worker {i} answered {method} with {result!r}")
-            if result.get("ok") is not True:
-                cls = _ERRORS.get(str(result.get("code")), EngineError)
-                raise cls(f"vLLM worker {i}: {result.get('message')}")
-            results.append(result)
-        if not results:
-            raise EngineError(f"vLLM collective_rpc {method}: no worker answered")
+        answer = self._post("/collective_rpc", payload, what=f"collective_rpc {method}")
+        results = answer.get("results") if isinstance(answer, dict) else None
+        if not isinstance(results, list) or not results:
+            raise EngineError(f"vLLM collective_rpc {method}: no worker answered ({answer!r:.200})")
+        for i, result in enumerate(results):
+            if not isinstance(result, dict) or result.get("ok") is not True:
+                raise EngineError(f"vLLM worker {i} answered {method} with {result!r:.200}")
+        if len(results) != self.workers():
+            raise EngineError(f"vLLM collective_rpc {method}: {len(results)} results for {self.workers()} workers")
         return results
+
+    def pause(self) -> None:
+        """Stop the engine stepping before its bits change (``mode=abort``: requests still
+        running, which outlived the sidecar's drain, end with finish reason ``abort``).
+
+        ``clear_cache=false``: the caches are reset after the writes (:meth:`reset_caches`),
+        which is what guarantees nothing computed with the old bits is reused; vLLM
+        0.33 deprecates resetting them in the pause."""
+        if not self._paused:
+            self._post("/pause?mode=abort&clear_cache=false", what="pause")
+            self._paused = True
+
+    def resume(self) -> None:
+        if self._paused:
+            self._post("/resume", what="resume")
+            self._paused = False
+
+    def reset_caches(self) -> None:
+        """Drop every cached result computed with other bits: prefix (KV) and encoder caches."""
+        answer = self._post("/reset_prefix_cache", what="reset_prefix_cache")
+        if not (isinstance(answer, dict) and answer.get("success") is True):
+            # Blocks still held by running requests: preempt them and reset again.
+            answer = self._post("/reset_prefix_cache?reset_running_requests=true", what="reset_prefix_cache")
+            if not (isinstance(answer, dict) and answer.get("success") is True):
+                raise EngineError(f"vLLM could not reset its prefix cache: {answer!r:.200}")
+        self._post("/reset_encoder_cache", what="reset_encoder_cache")
+
+    def engine_version(self) -> str | None:
+        """The weight version vLLM reports (``GET /weight_info``)."""
+        status, body = request_json("GET", f"{self.url}/weight_info", timeout=min(self.timeout, 60.0))
+        if status != 200 or not isinstance(body, dict):
+            raise self._failure(status, body, "weight_info")
+        value = body.get("weight_version")
+        return None if value is None else str(value)
+
+    # -- layout ----------------------------------------------------------------------------
 
     def _specs_body(self, specs: Mapping[str, TensorSpec]) -> dict[str, Any]:
         # Workers rebind only when the layout changes; send it only then.
@@ -285,9 +413,33 @@ class VLLMTarget(WeightTarget):
             return {}
         return {"specs": _specs_to_json(specs)}
 
-    def _fingerprints(self, specs: Mapping[str, TensorSpec]) -> dict[str, int]:
-        results = self.call("fingerprints", self._specs_body(specs))
-        self._bound_specs = dict(specs)
+    def _bind(self, specs: Mapping[str, TensorSpec]) -> None:
+        if self._bound_specs != dict(specs):
+            dropped = self.call("bind", {"specs": _specs_to_json(specs)})[0].get("dropped") or []
+            self._bound_specs = dict(specs)
+            self.dropped = frozenset(str(n) for n in dropped)
+            if self.dropped:
+                log.info(
+                    "%d served tensors are not engine parameters (kept in the folder only): %s",
+                    len(self.dropped),
+                    sorted(self.dropped)[:5],
+                )
+
+    def _served(self, fps: Mapping[str, int]) -> dict[str, int]:
+        return {n: fp for n, fp in fps.items() if n not in self.dropped}
+
+    def _fingerprints(self, specs: Mapping[str, TensorSpec], expect: Mapping[str, int] | None) -> dict[str, int]:
+        """The workers' fingerprints; every worker of every engine compares itself with
+        ``expect`` and a differing one answers with its own values (merged in)."""
+        self._bind(specs)
+        body: dict[str, Any] = {} if expect is None else {"expect": _fps_to_json(self._served(expect))}
+        try:
+            results = self.call("fingerprints", body)
+        except FingerprintMismatch as exc:
+            found = getattr(exc, "details", {}).get("fingerprints")
+            if expect is None or not isinstance(found, dict):
+                raise
+            return {**self._served(expect), **_fps_from_json(found)}
         fps = [_fps_from_json(r.get("fingerprints")) for r in results]
         if any(f != fps[0] for f in fps[1:]):
             raise EngineError("vLLM workers hold different weights")
@@ -298,6 +450,10 @@ class VLLMTarget(WeightTarget):
     def layout(self) -> Mapping[str, TensorSpec] | None:
         return self.local.layout()
 
+    def context_bits(self) -> Mapping[str, Bits] | None:
+        # The folder holds what the engine serves: context-coded patches decode against it.
+        return self.local.context_bits()
+
     def restored(self) -> Held | None:
         """The folder's verified version, if the engine demonstrably holds the same bits."""
         restored = self.local.restored()
@@ -305,44 +461,62 @@ class VLLMTarget(WeightTarget):
         if restored is None or specs is None:
             return None
         try:
-            engine = self._fingerprints(specs)
+            engine = self._fingerprints(specs, restored.fingerprints)
         except EngineError:
             raise  # unreachable or broken engine: say so instead of reloading blindly
         except BulletinError:
             return None  # its parameters do not hold this layout: start from a keyframe
-        if engine != restored.fingerprints:
+        if engine != self._served(restored.fingerprints):
             log.warning(
                 "vLLM does not hold version %d of %s (started from another checkpoint?); loading a keyframe into it",
                 restored.version,
                 self.local.dir,
             )
             return None
+        self._engine_fps = engine
         return restored
 
     def load_full(self, tensors: Mapping[str, Bits], specs: Mapping[str, TensorSpec]) -> None:
         self.local.load_full(tensors, specs)
-        self.call("load", {**self._specs_body(specs), "path": str(self.local.staged_path)})
-        self._bound_specs = dict(specs)
+        self._engine_fps = None  # from here on the workers' bits are the load's, or a mix
+        self._bind(specs)
+        expected = {n: fingerprint(tensors[n]) for n in specs if n not in self.dropped}
+        self.pause()
+        # Every worker reads the keyframe back from its live parameters and must hold
+        # exactly these fingerprints before the version can be activated.
+        results = self.call("load", {"path": str(self.local.staged_path), "expect": _fps_to_json(expected)})
+        for i, result in enumerate(results):
+            if _fps_from_json(result.get("fingerprints")) != expected:
+                raise VerificationFailed(f"vLLM worker {i} did not load the keyframe bit for bit")
+        self._engine_fps = expected
 
     def apply(self, patch: Patch, fingerprints: Mapping[str, int]) -> dict[str, int]:
         from patcher.encode import encode
 
         new = self.local.apply(patch, fingerprints)
-        shards = encode(patch, max_shard_bytes=SPOOL_SHARD_BYTES, codec="lz4")
         stem = self.spool_dir / f"apply-{secrets.token_hex(8)}"
-        stem.mkdir()
         try:
+            self._bind(patch.specs)
+            served = Patch({n: td for n, td in patch.tensors.items() if n not in self.dropped})
+            shards = encode(served, max_shard_bytes=SPOOL_SHARD_BYTES, codec="lz4")
+            stem.mkdir()
             paths = []
             for i, shard in enumerate(shards):
                 path = stem / f"{i:05d}.bpatch"
                 path.write_bytes(shard)
                 paths.append(str(path.resolve()))
-            body = {**self._specs_body(patch.specs), "shards": paths, "fingerprints": _fps_to_json(fingerprints)}
+            expected = self._served(new)
+            body = {
+                "shards": paths,
+                "fingerprints": _fps_to_json(self._served(fingerprints)),
+                "expect": _fps_to_json(expected),
+            }
+            self.pause()
             results = self.call("apply", body)
-            self._bound_specs = dict(patch.specs)
             for i, result in enumerate(results):
-                if _fps_from_json(result.get("fingerprints")) != new:
-                    raise FormatError(f"vLLM worker {i} landed on other bits than the local copy")
+                if _fps_from_json(result.get("fingerprints")) != expected:
+                    raise VerificationFailed(f"vLLM worker {i} landed on other bits than the local copy")
+            self._engine_fps = expected
         except BaseException:
             self._abort_engine()
             self.local.abort()
@@ -352,9 +526,13 @@ class VLLMTarget(WeightTarget):
         return new
 
     def _abort_engine(self) -> None:
-        # A worker that failed its apply has already restored its own bits.
+        # A worker that failed its apply has already restored its own bits; what the
+        # engine holds afterwards is checked by the caller (the sidecar verifies it).
         with contextlib.suppress(BulletinError):
             self.call("abort", {})
+        self._engine_fps = None
+        with contextlib.suppress(BulletinError):
+            self.resume()
 
     def abort(self) -> None:
         self._abort_engine()
@@ -362,15 +540,24 @@ class VLLMTarget(WeightTarget):
 
     def full_fingerprints(self) -> dict[str, int]:
         # The workers' layout is the one loaded last, which the folder reports only once
-        # it is activated.
+        # it is activated. Tensors the engine drops are the folder's.
         specs = self._bound_specs if self._bound_specs is not None else self.local.layout()
         if specs is None:
             return {}
-        return self._fingerprints(specs)
+        held = self.local.restored()
+        expect = self._engine_fps if self._engine_fps is not None else (held.fingerprints if held else None)
+        engine = self._fingerprints(specs, expect)
+        if self.dropped:
+            folder = self.local.full_fingerprints()
+            engine.update({n: folder[n] for n in self.dropped if n in folder})
+        return engine
 
     def activate(self, version: int, *, manifest_digest: str | None = None) -> None:
         try:
             self.call("activate", {"version": version})
+            self.reset_caches()  # nothing computed with the old bits is reused
+            self._post("/update_weight_version", {"new_version": str(version)}, what="update_weight_version")
+            self.resume()
         except BaseException:
             self.abort()  # workers and folder back on the version the engine reported
             raise
@@ -378,3 +565,14 @@ class VLLMTarget(WeightTarget):
 
     def close(self) -> None:
         self.local.close()
+
+
+def _message(body: Any) -> str:
+    """The error text of a vLLM error body (``{"error": {"message"}}`` or ``{"detail"}``)."""
+    if isinstance(body, dict):
+        error = body.get("error")
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            return str(error["message"])
+        if "detail" in body:
+            return str(body["detail"])
+    return repr(body)[:500]

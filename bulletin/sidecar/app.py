@@ -6,12 +6,15 @@
 >>> sidecar = Sidecar(subscriber, "http://127.0.0.1:8001", target=target, metrics=metrics)
 >>> web.run_app(sidecar.create_app(), port=8000)
 
-Every request not addressed to the sidecar itself (``/healthz``, ``/readyz``,
-``/version``, ``/metrics``) is admitted through the activation gate (see
-:mod:`bulletin.sidecar.gate`) with the requirement its headers or query string state
+Requests to the inference API (an allow-list, :attr:`SidecarConfig.forward`: completions,
+chat completions, models, health) are admitted through the activation gate (see
+:mod:`bulletin.sidecar.gate`) with the requirement their headers or query string state
 (:mod:`bulletin.sidecar.requirements`), then relayed to the engine
-(:mod:`bulletin.sidecar.proxy`). A background :class:`SyncWorker` follows the run.
-The HTTP contract is specified in docs/SIDECAR.md.
+(:mod:`bulletin.sidecar.proxy`). Every other path, an engine's control endpoints
+included (``/collective_rpc``, ``/update_weights_from_disk``, ``/flush_cache``, ...),
+is answered 404 by the sidecar without contacting the engine; the sidecar's own
+endpoints (``/healthz``, ``/readyz``, ``/version``, ``/metrics``) only read. A
+background :class:`SyncWorker` follows the run. The HTTP contract is specified in docs/SIDECAR.md.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -45,8 +49,17 @@ __all__ = ["INTERNAL_PATHS", "Sidecar", "SidecarConfig", "create_app"]
 
 log = logging.getLogger("bulletin.sidecar")
 
-#: Paths the sidecar answers itself; everything else goes to the engine.
+#: Paths the sidecar answers itself.
 INTERNAL_PATHS: Final = ("/healthz", "/readyz", "/version", "/metrics")
+
+#: The inference API relayed to the engine by default (OpenAI-compatible servers: vLLM,
+#: SGLang, the built-in torch server). A path ending in ``/*`` also allows every path
+#: below it. Anything else, the engines' control endpoints first of all, is never relayed.
+DEFAULT_FORWARD: Final = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/*", "/health")
+
+#: ``/`` and segments of unreserved characters and ``:@!$&'()*+,;=``, none of them ``.``
+#: or ``..`` (RFC 3986's pchar without percent-encoding).
+_PLAIN_PATH: Final = re.compile(r"(?:/(?!\.{1,2}(?:/|$))[A-Za-z0-9\-._~:@!$&'()*+,;=]+)+")
 
 _REFUSAL_STATUS: Final = {"behind": 409, "gone": 410, "not_ready": 503, "busy": 503}
 _REFUSAL_CODE: Final = {
@@ -78,6 +91,9 @@ class SidecarConfig:
     read_timeout: float | None = None
     """Longest silence from the engine inside a response (None: generations take what they take)."""
     max_request_bytes: int = 64 << 20
+    forward: tuple[str, ...] = DEFAULT_FORWARD
+    """Paths relayed to the engine (exact, or a prefix ending in ``/*``); every other path
+    is answered 404 by the sidecar and never reaches the engine."""
     verify_interval: float = 3600.0
     """Seconds between full re-hashes of the bits the engine serves against their version
     (also run once at start, before the first sync); damaged bits are rebuilt from a
@@ -97,6 +113,31 @@ class SidecarConfig:
                 raise ConfigError(f"{name} must be None or a finite number >= 0")
         if self.connect_timeout <= 0 or self.max_request_bytes < 1:
             raise ConfigError("connect_timeout and max_request_bytes must be > 0")
+        if isinstance(self.forward, str) or not all(isinstance(p, str) for p in self.forward):
+            raise ConfigError("forward must be a sequence of paths")
+        for path in self.forward:
+            stem = path.removesuffix("/*")
+            if not stem.startswith("/") or not _PLAIN_PATH.fullmatch(stem) or path in INTERNAL_PATHS:
+                raise ConfigError(
+                    f"forward path {path!r} must be an absolute path of plain segments (optionally "
+                    "ending in /*), not one of the sidecar's own"
+                )
+
+    def forwards(self, raw_path: str) -> bool:
+        """Whether a request for ``raw_path`` (as received, still percent-encoded) is relayed.
+
+        Only plain paths match: a percent-encoded byte, an empty, ``.`` or ``..`` segment
+        could mean another path to the engine than the one checked here.
+        """
+        if not _PLAIN_PATH.fullmatch(raw_path):
+            return False
+        for allowed in self.forward:
+            if allowed.endswith("/*"):
+                if raw_path.startswith(allowed[:-1]) and len(raw_path) > len(allowed) - 1:
+                    return True
+            elif raw_path == allowed:
+                return True
+        return False
 
 
 class Sidecar:
@@ -223,7 +264,8 @@ class Sidecar:
             "lag": status.lag if status else None,
             "syncing_to": status.syncing_to if status else None,
             "activating": self.gate.activating,
-            "ready": active is not None,
+            "ready": False,
+            "not_ready_reason": None,
             "in_flight": self.gate.in_flight,
             "waiting": self.gate.waiting,
             "last_sync_ok": bool(status.healthy) if status else None,
@@ -232,6 +274,16 @@ class Sidecar:
             "last_verify": None,
             "uptime_s": round(time.time() - self._started, 3),
         }
+        if status is not None and status.not_ready_code is not None:
+            reason = {"code": status.not_ready_code, "message": status.not_ready_message}
+        elif active is None:  # withdrawn, or before the worker's first look
+            reason = {"code": "not_synced", "message": "no verified version is active"}
+        else:
+            reason = None
+        # Ready: a verified version is served and the node follows the run; a node that a
+        # permanent error stopped still serves what it holds, but is out of rotation.
+        body["ready"] = active is not None and reason is None
+        body["not_ready_reason"] = reason
         checked = status.last_verify if status else None
         if checked is not None:
             body["last_verify"] = {
@@ -267,7 +319,8 @@ class Sidecar:
     async def _metrics(self, request: web.Request) -> web.Response:
         self.metrics.in_flight.set(self.gate.in_flight)
         active = self.gate.active_version
-        self.metrics.ready.set(1 if active is not None else 0)
+        reason = self.describe()["not_ready_reason"]
+        self.metrics.set_not_ready(reason["code"] if reason is not None else None)
         if active is not None:
             self.metrics.current_version.set(active)
         return web.Response(
@@ -291,6 +344,7 @@ class Sidecar:
             "current_version": info["current_version"],
             "head_version": info["head_version"],
             "last_error": info["last_error"],
+            "not_ready_reason": info["not_ready_reason"],
             **(extra or {}),
         }
         kind = "invalid_request_error" if status in (400, 409, 410) else "server_error"
@@ -327,6 +381,15 @@ class Sidecar:
     async def _proxy(self, request: web.Request) -> web.StreamResponse:
         status = 500
         try:
+            if not self.config.forwards(request.rel_url.raw_path):
+                # Control endpoints (and anything else not on the allow-list) never reach
+                # the engine, whatever the method or the version requirement.
+                status = 404
+                return self._error(
+                    404,
+                    "not_forwarded",
+                    f"{request.rel_url.raw_path[:200]} is not relayed to the engine by this sidecar",
+                )
             try:
                 requirement, query = parse_requirement(request.headers, request.query)
             except InvalidInput as exc:

@@ -26,7 +26,7 @@ from typing import Any
 
 import click
 
-from bulletin.cli.options import store_options
+from bulletin.cli.options import stores_options, trust_options
 from bulletin.cli.output import json_option
 from bulletin.sidecar.compose import ENGINES
 
@@ -59,7 +59,7 @@ def _configure_logging(json_logs: bool, level: str) -> None:
 
 
 @click.command("serve")
-@store_options
+@stores_options
 @click.option("--engine", type=click.Choice(list(ENGINES)), default="local", show_default=True, help="Engine adapter.")
 @click.option("--upstream", envvar="BULLETIN_UPSTREAM", help="Engine base URL (not with --engine torch).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address the sidecar listens on.")
@@ -92,6 +92,15 @@ def _configure_logging(json_logs: bool, level: str) -> None:
     help="Seconds an activation waits for requests in flight before it goes ahead.",
 )
 @click.option(
+    "--forward",
+    "forward",
+    multiple=True,
+    metavar="PATH",
+    help="A path relayed to the engine (repeatable; PATH/* allows every path below PATH). Replaces the "
+    "default list: /v1/completions, /v1/chat/completions, /v1/models, /v1/models/*, /health. Nothing "
+    "else, the engine's control endpoints first of all, is ever relayed.",
+)
+@click.option(
     "--verify-interval",
     type=click.FloatRange(min=0),
     default=3600.0,
@@ -108,6 +117,11 @@ def _configure_logging(json_logs: bool, level: str) -> None:
 @click.option("--engine-timeout", type=click.FloatRange(min=1), default=600.0, show_default=True)
 @click.option("--wait-for-engine", type=click.FloatRange(min=0), default=300.0, show_default=True)
 @click.option("--model-config", type=click.Path(exists=True, path_type=Path), help="HF config (--engine torch).")
+@click.option(
+    "--tokenizer",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="HF tokenizer folder: text prompts, stop strings and /v1/chat/completions (--engine torch).",
+)
 @click.option("--model-name", default="bulletin-model", show_default=True, help="Model id served (--engine torch).")
 @click.option("--dtype", default="BF16", show_default=True, help="Served dtype of the run (--engine torch).")
 @click.option("--device", default="cpu", show_default=True, help="Torch device (--engine torch).")
@@ -115,10 +129,12 @@ def _configure_logging(json_logs: bool, level: str) -> None:
 @click.option("--engine-port", type=click.IntRange(0, 65535), default=0, help="Loopback port of the torch engine.")
 @click.option("--json-logs", is_flag=True, help="Log one JSON object per line on stderr.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info")
+@trust_options
 @json_option  # errors at start-up as JSON on stdout, like every command's
 def serve(
-    store: str,
+    store: tuple[str, ...],
     run: str,
+    lag_grace: float,
     engine: str,
     upstream: str | None,
     host: str,
@@ -128,11 +144,13 @@ def serve(
     default_wait: float,
     max_wait: float,
     drain_timeout: float,
+    forward: tuple[str, ...],
     verify_interval: float,
     allow_reset: bool,
     engine_timeout: float,
     wait_for_engine: float,
     model_config: Path | None,
+    tokenizer: Path | None,
     model_name: str,
     dtype: str,
     device: str,
@@ -140,10 +158,12 @@ def serve(
     engine_port: int,
     json_logs: bool,
     log_level: str,
+    trusted_keys: tuple[Path, ...],
+    max_head_age: float | None,
 ) -> None:
     """Serve an engine behind the version-aware sidecar, following RUN in STORE."""
     # The server stack (aiohttp) loads only here, so that other commands start without it.
-    from bulletin.sidecar.app import SidecarConfig
+    from bulletin.sidecar.app import DEFAULT_FORWARD, SidecarConfig
     from bulletin.sidecar.compose import SidecarSettings, TorchEngineSettings, build_sidecar
 
     _configure_logging(json_logs, log_level)
@@ -153,6 +173,7 @@ def serve(
         poll_interval=poll_interval,
         drain_timeout=drain_timeout,
         verify_interval=verify_interval,
+        forward=forward or DEFAULT_FORWARD,
     )
     torch = None
     if engine == "torch" and model_config is not None:
@@ -163,6 +184,7 @@ def serve(
             device=device,
             threads=torch_threads,
             port=engine_port,
+            tokenizer=tokenizer,
         )
     settings = SidecarSettings(
         store=store,
@@ -177,5 +199,8 @@ def serve(
         engine_timeout=engine_timeout,
         wait_for_engine=wait_for_engine,
         allow_reset=allow_reset,
+        trusted_keys=trusted_keys,
+        max_head_age=max_head_age,
+        lag_grace=lag_grace,
     )
     build_sidecar(settings).run()

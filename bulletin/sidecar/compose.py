@@ -65,14 +65,19 @@ class TorchEngineSettings:
     """``torch.set_num_threads``; None leaves torch's default."""
     port: int = 0
     """Loopback port of the built-in server (0: any free port)."""
+    tokenizer: Path | None = None
+    """Folder of an HF tokenizer (``AutoTokenizer``): text prompts, ``stop`` strings and
+    ``/v1/chat/completions`` with its chat template; None serves token ids only."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SidecarSettings:
     """Everything ``bulletin serve`` is told, typed; see docs/SIDECAR.md and docs/ENGINES.md."""
 
-    store: str
-    """Store URL (``s3://bucket/prefix``, a local directory, ``memory://name``)."""
+    store: str | tuple[str, ...]
+    """Store URL (``s3://bucket/prefix``, a local directory, ``memory://name``), or several:
+    copies of the run read in that order, a mirror first and the origin last
+    (:mod:`bulletin.sources`)."""
     run: str
     """Run to follow."""
     engine: str = "local"
@@ -97,6 +102,14 @@ class SidecarSettings:
     """Follow the run if it is rolled back or rewritten (the engine may move to an older
     version or another chain); without it the sidecar keeps serving what it holds and
     reports ``run_rewound`` / ``chain_mismatch`` as its last error."""
+    trusted_keys: tuple[Path, ...] = ()
+    """Public key files whose signatures are accepted; with any, only signed heads and
+    versions are taken (``bulletin.signing.load_trust``; docs/SECURITY.md)."""
+    max_head_age: float | None = None
+    """Seconds after which a signed head is refused as stale (needs ``trusted_keys``)."""
+    lag_grace: float = 30.0
+    """With several stores: seconds the first may lack a version a later one shows before
+    the later one is read instead (:mod:`bulletin.sources`)."""
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -106,7 +119,9 @@ class SidecarSettings:
                 raise ConfigError("--engine torch takes --model-config, and neither --upstream nor --local-dir")
         elif self.upstream is None or self.local_dir is None:
             raise ConfigError(f"--engine {self.engine} needs --upstream and --local-dir")
-        for name in ("engine_timeout", "wait_for_engine"):
+        if not self.store:
+            raise ConfigError("the sidecar needs at least one store")
+        for name in ("engine_timeout", "wait_for_engine", "lag_grace"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise ConfigError(f"{name} must be a finite number >= 0, got {value!r}")
@@ -128,6 +143,8 @@ class BuiltEngine:
     """An engine this process serves itself (``torch``), on ``listener``."""
     listener: socket.socket | None = None
     """The bound loopback socket ``app`` is served on."""
+    on_preempt: Callable[[], None] | None = None
+    """Ends generations still running when an activation stops waiting for them (``torch``)."""
 
 
 #: Builds one engine's adapter from the settings; may wait for the engine and call it.
@@ -222,10 +239,17 @@ def _torch_engine(settings: SidecarSettings) -> BuiltEngine:
     # Random weights until the first keyframe lands; requests wait for a verified version.
     model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
     model = model.to(device=spec.device, dtype=torch_dtype(spec.dtype)).eval()
-    app = CompletionServer(model, model_name=spec.model_name).create_app()
+    tokenizer = None
+    if spec.tokenizer is not None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(spec.tokenizer))
+    server = CompletionServer(model, tokenizer=tokenizer, model_name=spec.model_name)
     sock = _loopback_socket(spec.port)
     upstream = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    return BuiltEngine(TorchTarget.from_module(model), upstream, app=app, listener=sock)
+    return BuiltEngine(
+        TorchTarget.from_module(model), upstream, app=server.create_app(), listener=sock, on_preempt=server.preempt
+    )
 
 
 #: ``--engine`` name -> factory; read-only, in the order ``--help`` lists them.
@@ -292,18 +316,22 @@ def build_sidecar(settings: SidecarSettings) -> SidecarStack:
     from bulletin.sidecar.app import Sidecar
     from bulletin.sidecar.metrics import SidecarMetrics
     from bulletin.sidecar.worker import GatedTarget
+    from bulletin.signing import load_trust
     from bulletin.subscriber import Subscriber
 
+    trust = load_trust(settings.trusted_keys, settings.max_head_age)  # a bad key fails before the engine starts
     metrics = SidecarMetrics()
     engine = ENGINES[settings.engine](settings)
     try:
-        target = GatedTarget(engine.target, metrics, in_place=engine.in_place)
+        target = GatedTarget(engine.target, metrics, in_place=engine.in_place, on_preempt=engine.on_preempt)
         subscriber = Subscriber(
             settings.store,
             settings.run,
             target=target,
             on_bytes=metrics.bytes_downloaded.inc,
             allow_reset=settings.allow_reset,
+            trust=trust,
+            lag_grace=settings.lag_grace,
         )
         try:
             sidecar = Sidecar(

@@ -314,5 +314,25 @@ class SidecarMetrics:
                 buckets=(0.01, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0),
             )
         )
+        self.not_ready = r.register(
+            Gauge(
+                "bulletin_not_ready",
+                "1 for the reason the node serves no verified version or is out of service "
+                "(not_synced, engine_unverified, or a permanent error's code); absent while ready.",
+                ["code"],
+            )
+        )
         self.in_flight.set(0)
         self.ready.set(0)
+        self._not_ready_code: str | None = None
+        self._not_ready_lock = threading.Lock()
+
+    def set_not_ready(self, code: str | None) -> None:
+        """Expose ``code`` as the one reason the node is not ready (None: it is ready)."""
+        with self._not_ready_lock:  # the worker thread and the event loop both set it
+            previous, self._not_ready_code = self._not_ready_code, code
+            if previous is not None and previous != code:
+                self.not_ready.clear(previous)
+            if code is not None:
+                self.not_ready.set(1, code)
+            self.ready.set(1 if code is None else 0)

@@ -15,6 +15,18 @@ the bits held (:meth:`bulletin.subscriber.Subscriber.verify`) on its own thread:
 are served meanwhile, syncs wait. Damaged bits are rebuilt from a keyframe route at
 once; the result is in the metrics and in ``/version`` (``last_verify``).
 
+Two failures take the node out of service (``/readyz`` 503 with a reason, the gate
+serving nothing or the version it holds, ``bulletin_not_ready{code}``):
+
+- a failed sync after the engine's weights may have been touched (a load, apply or
+  activation had begun: :attr:`GatedTarget.touched`) withdraws the version at once and
+  re-hashes what the engine holds (a verification): the version comes back only if the
+  engine demonstrably holds it, damaged bits are rebuilt from a keyframe, and a check
+  that cannot run is retried with backoff while nothing is served (``engine_unverified``);
+- a permanent incompatibility (the engine cannot hold the run's tensors:
+  ``IncompatibleTensors``, ``UnsupportedDtype``) stops the follow loop: one error in the
+  log, on ``/readyz`` and in the metrics, and no more downloads until a restart.
+
 :class:`GatedTarget` wraps the engine's :class:`~bulletin.target.WeightTarget`. While
 the live weights change (``load_full`` / ``apply`` of an in-place target, ``activate``
 of any target) it holds the activation gate exclusively, so new requests wait and the
@@ -37,7 +49,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 import numpy as np
 from numpy.typing import NDArray
 
-from bulletin.errors import BulletinError, EngineError
+from bulletin.errors import BulletinError, EngineError, IncompatibleTensors, UnsupportedDtype
 from bulletin.sidecar.gate import ActivationGate
 from bulletin.sidecar.metrics import SidecarMetrics
 from bulletin.sidecar.requirements import VersionRequirement
@@ -47,7 +59,13 @@ if TYPE_CHECKING:
     from bulletin.subscriber import VerifyReport
     from patcher.patch import Patch, TensorSpec
 
-__all__ = ["GateBridge", "GatedTarget", "SubscriberLike", "SyncStatus", "SyncWorker"]
+__all__ = ["PERMANENT_ERRORS", "GateBridge", "GatedTarget", "SubscriberLike", "SyncStatus", "SyncWorker"]
+
+#: Errors that no retry can fix (the engine cannot hold the run's tensors): the worker stops.
+PERMANENT_ERRORS: tuple[type[BulletinError], ...] = (IncompatibleTensors, UnsupportedDtype)
+#: Not-ready reasons that are not error codes.
+NOT_SYNCED = "not_synced"
+ENGINE_UNVERIFIED = "engine_unverified"
 
 log = logging.getLogger("bulletin.sidecar")
 
@@ -101,10 +119,11 @@ class GateBridge:
                     future.cancel()
                     raise EngineError("the sidecar is stopping; the engine keeps its version") from None
 
-    def acquire(self) -> None:
-        """Block until the gate is held exclusively (idempotent while held)."""
+    def acquire(self) -> int:
+        """Block until the gate is held exclusively (idempotent while held); returns how
+        many requests were still in flight when the drain timeout ended the wait."""
         if self._held_since is not None:
-            return
+            return 0
         future = asyncio.run_coroutine_threadsafe(self.gate.acquire_exclusive(self.drain_timeout), self.loop)
         drained, preempted = self._wait(future)
         self._held_since = time.monotonic()
@@ -112,6 +131,7 @@ class GateBridge:
         if preempted:
             self.metrics.preempted.inc(preempted)
             log.warning("activation went ahead with %d requests still in flight", preempted)
+        return preempted
 
     def release(self, version: int | None) -> None:
         """Release the gate, publishing ``version`` as active first (None: unchanged)."""
@@ -153,21 +173,34 @@ class GatedTarget(WeightTarget):
     and vLLM targets, and any that do not say otherwise) ``load_full`` and the applies
     pause requests too; for the others (SGLang, a local folder an engine reloads from)
     only ``activate`` does. ``in_place`` given here overrides the inner target's.
+    ``on_preempt`` is called (on the sync thread, before any weight changes) when the
+    drain timeout let an activation go ahead with requests still in flight: an engine
+    this process runs ends their generations there (``CompletionServer.preempt``).
     """
 
     def __init__(
-        self, inner: WeightTarget, metrics: SidecarMetrics | None = None, *, in_place: bool | None = None
+        self,
+        inner: WeightTarget,
+        metrics: SidecarMetrics | None = None,
+        *,
+        in_place: bool | None = None,
+        on_preempt: Callable[[], None] | None = None,
     ) -> None:
         self.inner = inner
         self.in_place = inner.in_place if in_place is None else in_place
         self.restores_loads = inner.restores_loads
         self.metrics = metrics or SidecarMetrics()
         self.bridge: GateBridge | None = None
+        self.on_preempt = on_preempt
         self._loaded = False  # a load_full since the last activation
+        #: An engine-side change began (a load or apply of an in-place target, any
+        #: activation) and has not been activated: if the sync fails, what the engine holds
+        #: must be verified before its version is served again.
+        self.touched = False
 
     def _hold(self) -> None:
-        if self.bridge is not None:
-            self.bridge.acquire()
+        if self.bridge is not None and self.bridge.acquire() and self.on_preempt is not None:
+            self.on_preempt()
 
     def layout(self) -> Mapping[str, TensorSpec] | None:
         return self.inner.layout()
@@ -179,9 +212,13 @@ class GatedTarget(WeightTarget):
     def restored(self) -> Held | None:
         return self.inner.restored()
 
+    def context_bits(self) -> Mapping[str, Bits] | None:
+        return self.inner.context_bits()  # only read: no pause needed
+
     def load_full(self, tensors: Mapping[str, Bits], specs: Mapping[str, TensorSpec]) -> None:
         if self.in_place:
             self._hold()
+            self.touched = True
         started = time.perf_counter()
         self._loaded = True
         self.inner.load_full(tensors, specs)
@@ -196,6 +233,7 @@ class GatedTarget(WeightTarget):
             # requests still run, so that the pause below is the writes alone.
             self.inner.prepare(patch, fingerprints)
             self._hold()
+            self.touched = True
         started = time.perf_counter()
         result = self.inner.apply(patch, fingerprints)
         self.metrics.apply_seconds.observe(time.perf_counter() - started)
@@ -204,6 +242,7 @@ class GatedTarget(WeightTarget):
     def apply_shards(self, shards: Sequence[bytes], fingerprints: Mapping[str, int]) -> dict[str, int]:
         if self.in_place:
             self._hold()  # decoding and writing are one pass: nothing to do before the pause
+            self.touched = True
         started = time.perf_counter()
         result = self.inner.apply_shards(shards, fingerprints)
         self.metrics.apply_seconds.observe(time.perf_counter() - started)
@@ -222,8 +261,10 @@ class GatedTarget(WeightTarget):
 
     def activate(self, version: int, *, manifest_digest: str | None = None) -> None:
         self._hold()
+        self.touched = True
         self.inner.activate(version, manifest_digest=manifest_digest)
         self._loaded = False
+        self.touched = False
         if self.bridge is not None:
             self.bridge.release(version)
 
@@ -251,6 +292,12 @@ class SyncStatus:
     """The last verification that hashed something (None before the first)."""
     verifying: bool = False
     """A verification is re-hashing the bits held now."""
+    not_ready_code: str | None = None
+    """Why no version is served or the node is out of service (``not_synced``,
+    ``engine_unverified``, or the code of a permanent error), None while ready."""
+    not_ready_message: str | None = None
+    halted: bool = False
+    """A permanent error stopped the follow loop (until a restart)."""
 
     @property
     def lag(self) -> int | None:
@@ -299,6 +346,10 @@ class SyncWorker:
         self._failures = 0
         self._last_verify: VerifyReport | None = None
         self._verifying = False
+        #: (code, message) of a permanent error that stopped the loop.
+        self._halted: tuple[str, str] | None = None
+        #: Why the engine's bits must be verified before its version is served again.
+        self._unverified: str | None = None
         self._thread: threading.Thread | None = None
 
     # -- control ---------------------------------------------------------------------------
@@ -329,6 +380,7 @@ class SyncWorker:
     def status(self) -> SyncStatus:
         with self._lock:
             error = self._error
+            reason = self._not_ready_locked()
             return SyncStatus(
                 current=self.subscriber.current_version,
                 head=self._head,
@@ -339,7 +391,20 @@ class SyncWorker:
                 consecutive_failures=self._failures,
                 last_verify=self._last_verify,
                 verifying=self._verifying,
+                not_ready_code=reason[0] if reason else None,
+                not_ready_message=reason[1] if reason else None,
+                halted=self._halted is not None,
             )
+
+    def _not_ready_locked(self) -> tuple[str, str] | None:
+        """(code, message) of why the node is not ready, or None (under ``_lock``)."""
+        if self._halted is not None:
+            return self._halted
+        if self._unverified is not None:
+            return ENGINE_UNVERIFIED, self._unverified
+        if self.subscriber.current_version is None:
+            return NOT_SYNCED, "no verified version is held yet"
+        return None
 
     # -- the loop --------------------------------------------------------------------------
 
@@ -358,6 +423,18 @@ class SyncWorker:
         next_verify = time.monotonic() if self.verify_interval > 0 else math.inf
         while not self.stop_event.is_set():
             now = time.monotonic()
+            if self._halted is not None:
+                # Nothing a retry can fix: no polls, no downloads until a restart.
+                self._wake.wait(self.poll_interval)
+                self._wake.clear()
+                continue
+            if self._unverified is not None:
+                self.verify_step()
+                if self._unverified is not None:  # the check could not run: back off
+                    self._wake.wait(self.interval())
+                    self._wake.clear()
+                next_due = time.monotonic()
+                continue
             if now >= next_verify:
                 self.verify_step()
                 next_verify = time.monotonic() + self.verify_interval
@@ -382,6 +459,7 @@ class SyncWorker:
         with self._lock:
             self._verifying = True
         report: VerifyReport | None = None
+        unverified = self._unverified
         try:
             # Damaged bits are never served: the gate withdraws the version before the
             # repair starts, and the repair's activation publishes the verified one.
@@ -392,12 +470,18 @@ class SyncWorker:
                 log.warning("verification failed (%s): %s", exc.code, exc)
             else:
                 log.exception("verification failed unexpectedly")
+            if unverified is not None:  # still nothing served: say why, and back off
+                code = exc.code if isinstance(exc, BulletinError) else "internal_error"
+                self._record_failure(code, f"verifying the engine after a failed change: {exc}")
             return None
         finally:
             with self._lock:
                 self._verifying = False
                 if report is not None and report.version is not None:
                     self._last_verify = report
+                if report is not None and unverified is not None:
+                    # Verified as held (ok), or the damage was found and handled as such.
+                    self._unverified = None
             self._settle(self._head)
         if report.version is None:
             return report  # nothing held yet: nothing was hashed
@@ -443,9 +527,11 @@ class SyncWorker:
             reached = self.subscriber.sync(None if target == head else target)
         except BulletinError as exc:
             self._failed(exc, during=during)
+            self._after_failure(exc, during)
         except Exception as exc:
             log.exception("%s failed unexpectedly", during)
             self._failed(exc, during=during)
+            self._after_failure(exc, during)
         else:
             self._succeeded()
             if not to_tip or reached != current:
@@ -457,16 +543,47 @@ class SyncWorker:
                 self._syncing_to = None
             self._settle(head)
 
+    def _after_failure(self, exc: Exception, during: str) -> None:
+        """Take the node out of service where a failure left it unable to vouch for the
+        engine (see the module docstring)."""
+        if isinstance(exc, PERMANENT_ERRORS):
+            message = f"{during}: {exc}"
+            with self._lock:
+                self._halted = (exc.code, message)
+            log.error(
+                "the engine cannot hold this run's tensors (%s): %s; the sidecar stops following the "
+                "run until it is restarted",
+                exc.code,
+                message,
+            )
+            return
+        if self.target is not None and self.target.touched:
+            self.target.touched = False
+            with self._lock:
+                self._unverified = f"{during} failed after the engine's weights may have changed: {exc}"
+            log.warning("%s; serving nothing until the engine is verified", self._unverified)
+            if self.bridge is not None:
+                self.bridge.withdraw()
+
     def _settle(self, head: int | None) -> None:
         """After anything that may have changed the target: release the gate if a failure
         left it held, and tell it (and the gauges) which verified version is live."""
         if self.target is not None:
             self.target.finish()
         # Targets without a gate wrapper (or a keyframe activated before a failure)
-        # still have to tell the gate which verified version is live.
-        if self.bridge is not None:
+        # still have to tell the gate which verified version is live, unless what the
+        # engine holds is in doubt.
+        with self._lock:
+            doubt = self._unverified is not None
+        if self.bridge is not None and not doubt:
             self.bridge.set_active(self.subscriber.current_version)
         self._publish_gauges(head, self.subscriber.current_version)
+        self._publish_readiness()
+
+    def _publish_readiness(self) -> None:
+        with self._lock:
+            reason = self._not_ready_locked()
+        self.metrics.set_not_ready(reason[0] if reason else None)
 
     def _choose(self, head: int | None, current: int | None) -> int | None:
         if head is None or (current is not None and head <= current):
@@ -484,7 +601,6 @@ class SyncWorker:
             m.head_version.set(head)
         if current is not None:
             m.current_version.set(current)
-            m.ready.set(1)
         if head is not None and current is not None:
             m.version_lag.set(max(0, head - current))
         elif head is not None:

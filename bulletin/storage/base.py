@@ -14,7 +14,8 @@ Everything else that goes wrong is raised from :mod:`bulletin.errors`:
 ``NotFound`` for a missing key, ``InvalidInput`` for a bad key or argument,
 ``ObjectTooLarge`` for an object over a read's ``max_bytes``,
 ``AccessDenied`` / ``StorageUnavailable`` for the store itself, ``ConfigError``
-for a bad URL. Backends translate their own exceptions at this boundary only.
+for a bad URL, ``StoreNotWritable`` for a write to a store that is not ``writable``.
+Backends translate their own exceptions at this boundary only.
 
 ETags are opaque: compare them for equality, never parse them. A backend never
 hands out the same ETag for two different contents of one key; two writes of
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Protocol, Self, TypeAlias, runtime_checkable
 
-from bulletin.errors import InvalidInput, StorageUnavailable
+from bulletin.errors import InvalidInput, StorageUnavailable, StoreNotWritable
 from bulletin.storage.keys import check_etag, check_max_bytes
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "StoreBase",
     "Updated",
     "WriteResult",
+    "require_writable",
 ]
 
 
@@ -97,6 +99,16 @@ class Store(Protocol):
         """The canonical URL that :func:`bulletin.storage.open_store` opens again.
 
         It never includes credentials.
+        """
+        ...
+
+    @property
+    def writable(self) -> bool:
+        """Whether the store takes writes: create-only and compare-and-swap atomic where
+        the objects live. ``False`` for a read-only store (an HTTP site, an fsspec
+        filesystem without conditional writes), whose writes and deletes raise
+        ``StoreNotWritable`` before sending anything; writers check it before any work
+        (:func:`require_writable`).
         """
         ...
 
@@ -168,6 +180,11 @@ class StoreBase:
         """The canonical URL of this store; never includes credentials."""
         return self._url
 
+    @property
+    def writable(self) -> bool:
+        """True: the built-in backends' conditional writes are atomic (read-only ones override)."""
+        return True
+
     def _check_open(self) -> None:
         if self._closed:
             raise InvalidInput(f"store {self._url} is closed")
@@ -201,3 +218,16 @@ class StoreBase:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._url!r})"
+
+
+def require_writable(store: Store, action: str) -> None:
+    """Raise ``StoreNotWritable`` unless ``store`` takes writes; ``action`` says what needed them.
+
+    Writers call it before any work, so that a read-only store is refused before a
+    model is diffed or a single object is uploaded or deleted.
+    """
+    if not store.writable:
+        raise StoreNotWritable(
+            f"{store.url} is read-only (no atomic conditional writes there): {action} needs a writable "
+            "store (a local directory, s3://, fsspec+s3://)"
+        )

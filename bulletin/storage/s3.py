@@ -265,11 +265,7 @@ class S3Store(StoreBase):
         if session is not None and profile is not None:
             raise ConfigError("give either a boto3 session or a profile, not both")
 
-        self._bucket = bucket
-        self._prefix = check_store_prefix(prefix)
-        self._max_attempts = max_attempts
-        self._page_size = page_size
-        self._bucket_seen = False  # set by any answer that proves the bucket exists
+        self._bind(bucket, check_store_prefix(prefix), max_attempts=max_attempts, page_size=page_size)
 
         params: dict[str, str] = {}
         for name, value, default in (
@@ -313,6 +309,15 @@ class S3Store(StoreBase):
         self._client.meta.events.unregister(
             "before-parameter-build.s3.ListObjectsV2", set_list_objects_encoding_type_url
         )
+
+    def _bind(self, bucket: str, prefix: str, *, max_attempts: int, page_size: int) -> None:
+        """The state every request reads, apart from the client: one place for every way of
+        making the store (boto3 here, s3fs in :mod:`bulletin.storage.fsspec_s3`)."""
+        self._bucket = bucket
+        self._prefix = prefix
+        self._max_attempts = max_attempts
+        self._page_size = page_size
+        self._bucket_seen = False  # set by any answer that proves the bucket exists
 
     @property
     def bucket(self) -> str:

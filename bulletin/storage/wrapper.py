@@ -1,10 +1,13 @@
-"""Stores that wrap another store: a delegating base, and one that counts traffic.
+"""Stores that wrap another store: a delegating base, one that counts traffic, one that
+refuses writes.
 
 :class:`WrapperStore` forwards every call of the :class:`~bulletin.storage.base.Store`
 protocol to the store it wraps; a subclass overrides only the calls it observes or
 changes (a benchmark counting bytes, a test injecting a delay, a fault or a crash).
-:class:`CountingStore` counts requests and payload bytes both ways. Modelled on zarr's
-``WrapperStore`` and ``LoggingStore``.
+:class:`CountingStore` counts requests and payload bytes both ways. :class:`ReadOnlyStore`
+refuses every write with ``AccessDenied``, as a read-only S3 policy would: a reader's
+store (a subscriber's, a mirror's origin) in a process that must never change it.
+Modelled on zarr's ``WrapperStore`` and ``LoggingStore``.
 """
 
 from __future__ import annotations
@@ -13,10 +16,11 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from bulletin.errors import AccessDenied
 from bulletin.storage.base import ObjectData, ObjectInfo, Store, WriteResult
 from bulletin.storage.keys import check_data
 
-__all__ = ["CountingStore", "Traffic", "WrapperStore"]
+__all__ = ["CountingStore", "ReadOnlyStore", "Traffic", "WrapperStore"]
 
 
 class WrapperStore:
@@ -29,6 +33,11 @@ class WrapperStore:
     def url(self) -> str:
         """The wrapped store's URL (opening it gives the store without the wrapper)."""
         return self.inner.url
+
+    @property
+    def writable(self) -> bool:
+        """Whether the wrapped store takes writes."""
+        return self.inner.writable
 
     def get(self, key: str, *, max_bytes: int | None = None) -> ObjectData:
         return self.inner.get(key, max_bytes=max_bytes)
@@ -128,3 +137,38 @@ class CountingStore(WrapperStore):
     def delete(self, key: str) -> None:
         self._count()
         super().delete(key)
+
+
+class ReadOnlyStore(WrapperStore):
+    """Reads pass through; every write (``put_if_absent``, ``put_if_match``, ``delete``) is
+    refused with ``AccessDenied`` before it reaches the wrapped store, and counted in
+    :attr:`refused` (thread-safe), so a test can assert that a reader never tried one.
+
+    ``writable`` stays the wrapped store's: this stands for credentials without write
+    permission, refused request by request as S3 answers ``403``, not for a store that
+    cannot take writes at all (``StoreNotWritable``, refused up front)."""
+
+    def __init__(self, inner: Store) -> None:
+        super().__init__(inner)
+        self._lock = threading.Lock()
+        self._refused: list[str] = []
+
+    @property
+    def refused(self) -> tuple[str, ...]:
+        """``"<operation> <key>"`` of every write refused so far, in order."""
+        with self._lock:
+            return tuple(self._refused)
+
+    def _refuse(self, operation: str, key: str) -> AccessDenied:
+        with self._lock:
+            self._refused.append(f"{operation} {key}")
+        return AccessDenied(f"{self.url}: {operation} {key!r} refused: this store is read-only")
+
+    def put_if_absent(self, key: str, data: bytes) -> WriteResult:
+        raise self._refuse("put_if_absent", key)
+
+    def put_if_match(self, key: str, data: bytes, etag: str) -> WriteResult:
+        raise self._refuse("put_if_match", key)
+
+    def delete(self, key: str) -> None:
+        raise self._refuse("delete", key)

@@ -20,10 +20,11 @@ from typing import Any
 import numpy as np
 import zstandard
 
-from bulletin.errors import CorruptData, InvalidTensorName, UnsupportedDtype, VerificationFailed
+from bulletin.errors import ContextUnavailable, CorruptData, InvalidTensorName, UnsupportedDtype, VerificationFailed
 from patcher.apply_shards import apply_shards
 from patcher.decode import decode, decode_shard, read_shard_header, shard_views
 from patcher.format import DEFAULT_LIMITS, FIXED_HEADER_SIZE, HEADER_CRC_OFFSET, DecodeLimits
+from tests.fuzz.seeds import fuzz_base
 
 __all__ = ["REJECTIONS", "check_decoders", "mutate", "seal"]
 
@@ -198,19 +199,38 @@ def mutate(rng: random.Random, seeds: Sequence[bytes]) -> list[bytes]:
     return rng.choice([[data, data], [data, other], [other, data]])
 
 
+def _holder(shards: list[bytes]) -> tuple[dict[str, Any] | None, dict[str, int]]:
+    """The bits a holder of the layout the headers describe has (:func:`fuzz_base`), or
+    None when that is too large to hold here, and the base fingerprints it claims."""
+    try:
+        infos = shard_views(shards, DEFAULT_LIMITS)[2]
+    except REJECTIONS:
+        return None, {}
+    claims = {n: info.base_fingerprint for n, info in infos.items()}
+    if sum(info.spec.nbytes for info in infos.values()) > 1 << 24:
+        return None, claims
+    return {n: fuzz_base(info.spec) for n, info in infos.items()}, claims
+
+
 def check_decoders(shards: list[bytes], on_bug: Callable[[str, BaseException], None]) -> None:
-    """Run every decoder on ``shards``; report anything but a typed rejection."""
+    """Run every decoder on ``shards``; report anything but a typed rejection.
+
+    Context-coded shards decode against the holder's bits (:func:`fuzz_base`, claimed to
+    be the base, which the seeds coded against them are); without them, or in a single
+    shard whose tensors it does not describe, ``ContextUnavailable`` is a refusal too.
+    """
+    base, claims = _holder(shards)
     runs: list[tuple[str, Callable[[], object]]] = [
-        ("decode", lambda: decode(shards)),
-        ("decode/tight", lambda: decode(shards, limits=_TIGHT)),
+        ("decode", lambda: decode(shards, base=base, base_fingerprints=claims)),
+        ("decode/tight", lambda: decode(shards, limits=_TIGHT, base=base, base_fingerprints=claims)),
     ]
     for i, data in enumerate(shards):
         runs.append((f"read_shard_header[{i}]", partial(read_shard_header, data)))
-        runs.append((f"decode_shard[{i}]", partial(decode_shard, data)))
+        runs.append((f"decode_shard[{i}]", partial(decode_shard, data, base=base, base_fingerprints=claims)))
     for name, run in runs:
         try:
             result = run()
-        except REJECTIONS:
+        except (*REJECTIONS, ContextUnavailable):
             continue
         except Exception as e:  # the fuzzer's whole point: nothing else may escape
             on_bug(name, e)
@@ -232,21 +252,20 @@ def _check_apply_shards(shards: list[bytes], on_bug: Callable[[str, BaseExceptio
     target check, an invalid one is refused, perhaps mid-entry. Either way every change
     must be undone.
     """
+    base, claims = _holder(shards)
+    if base is None and claims:
+        return  # too large to hold here
     try:
-        decode(shards)
+        decode(shards, base=base, base_fingerprints=claims)
         valid = True
     except REJECTIONS:
         valid = False
     except Exception:  # reported by check_decoders
         return
-    try:
-        infos = shard_views(shards, DEFAULT_LIMITS)[2]
-    except REJECTIONS:
-        infos = {}
-    if sum(info.spec.nbytes for info in infos.values()) > 1 << 24:
-        return  # too large to hold here
-    held = {n: np.full(info.spec.shape, 0x5A, dtype=info.spec.bits_dtype) for n, info in infos.items()}
-    claims = {n: info.base_fingerprint for n, info in infos.items()}
+    # Not the base, but of the same classes (the lowest bit differs): a context-coded
+    # patch decodes to the same changes, and misses its targets like any other.
+    held = {n: np.bitwise_xor(bits, bits.dtype.type(1), out=np.empty_like(bits)) for n, bits in (base or {}).items()}
+    before = {n: bits.copy() for n, bits in held.items()}
     try:
         apply_shards(shards, held, claims)
     except REJECTIONS:
@@ -260,8 +279,8 @@ def _check_apply_shards(shards: list[bytes], on_bug: Callable[[str, BaseExceptio
     else:
         if not valid:
             on_bug("apply_shards accepted shards decode refuses", AssertionError("accepted"))
-        elif any(info.changed for info in infos.values()):
+        elif any(info.changed for info in shard_views(shards, DEFAULT_LIMITS)[2].values()):
             on_bug("apply_shards: bits that are not the base passed", AssertionError("accepted"))
         return
-    if any(bool((array != 0x5A).any()) for array in held.values()):
+    if any(bool((held[n] != before[n]).any()) for n in held):
         on_bug("apply_shards left changes behind", AssertionError("not undone"))

@@ -38,7 +38,10 @@ def test_seeds_are_valid() -> None:
     bugs: list[str] = []
     check_decoders(SEEDS[:1], lambda name, e: bugs.append(name))
     assert not bugs
-    from patcher.decode import decode_shard
+    from patcher.decode import decode_shard, read_shard_header
+    from tests.fuzz.seeds import fuzz_base
 
     for data in SEEDS:
-        decode_shard(data)
+        base = {name: fuzz_base(info.spec) for name, info in read_shard_header(data).tensors.items()}
+        decode_shard(data, base=None if read_shard_header(data).codec != "context" else base)
+    assert any(read_shard_header(data).codec == "context" for data in SEEDS)

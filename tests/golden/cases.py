@@ -16,7 +16,7 @@ from patcher.diff import diff
 from patcher.fingerprint import format_fingerprint
 from patcher.patch import Patch, TensorDelta, TensorSpec
 
-__all__ = ["CASES", "GoldenCase", "build", "library_versions", "summarise"]
+__all__ = ["CASES", "GoldenCase", "build", "build_base", "library_versions", "summarise"]
 
 _MASK = (1 << 64) - 1
 
@@ -50,6 +50,10 @@ def _pair(seed: int, name: str, dtype: str, shape: tuple[int, ...], every: int) 
 
 
 def _mixed() -> Patch:
+    return diff(*_mixed_pair())
+
+
+def _mixed_pair() -> tuple[dict[str, TensorSpec], dict[str, Any], dict[str, Any]]:
     layout = [
         ("blocks.0.attn.weight", "BF16", (24, 32), 7),
         ("blocks.0.attn.bias", "F32", (32,), 3),
@@ -67,12 +71,16 @@ def _mixed() -> Patch:
         if dtype == "F32":  # NaN payload, -0.0 and Inf, exactly
             b.view(np.uint32)[:3] = [0x7FC00001, 0x80000000, 0x7F800000]
         specs[name], old[name], new[name] = spec, a, b
-    return diff(specs, old, new)
+    return specs, old, new
 
 
 def _split() -> Patch:
+    return diff(*_split_pair())
+
+
+def _split_pair() -> tuple[dict[str, TensorSpec], dict[str, Any], dict[str, Any]]:
     spec, a, b = _pair(99, "layers.0.mlp.up_proj.weight", "BF16", (3000,), 10)
-    return diff({spec.name: spec}, {spec.name: a}, {spec.name: b})
+    return {spec.name: spec}, {spec.name: a}, {spec.name: b}
 
 
 def _sparse_huge() -> Patch:
@@ -100,14 +108,23 @@ CASES = (
     GoldenCase("mixed-lz4hc", "mixed", "lz4", level=9),
     GoldenCase("split-zstd", "split", "zstd", max_shard_bytes=900),
     GoldenCase("sparse-huge-zstd19", "sparse_huge", "zstd", level=19),
+    # The context codec (FORMAT.md 3.15): decoded against the base bits stored beside it.
+    GoldenCase("mixed-context", "mixed", "context"),
+    GoldenCase("split-context", "split", "context", max_shard_bytes=800),
 )
 
 _PATCHES = {"mixed": _mixed, "split": _split, "sparse_huge": _sparse_huge}
+_BASES = {"mixed": _mixed_pair, "split": _split_pair}
 
 
 def build(case: GoldenCase) -> Patch:
     """The patch of ``case``."""
     return _PATCHES[case.patch]()
+
+
+def build_base(case: GoldenCase) -> dict[str, Any] | None:
+    """The bits ``case``'s patch was made from, for a context-coded case (else None)."""
+    return _BASES[case.patch]()[1] if case.codec == "context" else None
 
 
 def library_versions() -> dict[str, str]:

@@ -132,6 +132,22 @@ inline unsigned __ballot_sync(unsigned mask, int predicate) {
   return all;
 }
 
+// The lanes whose `value` equals this lane's (CUDA's __match_any_sync, sm_70+).
+template <typename T>
+unsigned __match_any_sync(unsigned mask, T value) {
+  static_assert(sizeof(T) <= 8, "match of at most 8 bytes");
+  emu::require_full(mask);
+  emu::Warp& w = emu::warps[threadIdx.x / 32];
+  unsigned long long raw = 0;
+  std::memcpy(&raw, &value, sizeof(T));
+  w.slots[threadIdx.x & 31] = raw;
+  w.arrive.arrive_and_wait();
+  unsigned same = 0;
+  for (unsigned lane = 0; lane < 32; ++lane) same |= static_cast<unsigned>(w.slots[lane] == raw) << lane;
+  w.arrive.arrive_and_wait();
+  return same;
+}
+
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline int __ffs(int x) { return __builtin_ffs(x); }
 

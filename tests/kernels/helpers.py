@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +87,83 @@ def golden_cases() -> dict[str, list[Path]]:
     return {name: [p for _, p in sorted(shards)] for name, shards in sorted(cases.items())}
 
 
+def golden_base(case: str) -> dict[str, NDArray[Any]] | None:
+    """The base bits a context-coded golden case decodes against (its ``.base.npz``)."""
+    folder, _, name = case.partition("/")
+    path = GOLDEN / folder / f"{name}.base.npz"
+    if not path.is_file():
+        return None
+    with np.load(path) as stored:
+        return {key: stored[key] for key in stored.files}
+
+
 def golden_patch(case: str) -> Patch:
-    """A golden case decoded with the codec."""
-    return decode([path.read_bytes() for path in golden_cases()[case]])
+    """A golden case decoded with the codec (against its base, for the context codec)."""
+    return decode([path.read_bytes() for path in golden_cases()[case]], base=golden_base(case))
+
+
+#: (dtype, exponent shift, exponent width) for select_ranks: every field width the
+#: context codec classes by (patcher.context.EXPONENT_FIELDS), and a dtype without one.
+SELECT_FIELDS = [("BF16", 7, 8), ("F16", 10, 5), ("F32", 23, 8), ("F64", 52, 11), ("F8_E4M3", 3, 4), ("I32", 0, 0)]
+
+
+@dataclass(frozen=True)
+class SelectCase:
+    """select_ranks queries over ``base`` and the flat indices they must give."""
+
+    dtype: str
+    base: NDArray[Any]
+    shift: int
+    width: int
+    lo: int
+    classes: int
+    start: int
+    stop: int
+    query_classes: NDArray[np.uint8]
+    ranks: NDArray[np.int64]
+    expected: NDArray[np.int64]
+
+    @property
+    def mask(self) -> int:
+        return (1 << self.width) - 1
+
+
+def select_case(
+    rng: np.random.Generator, dtype: str, shift: int, width: int, n: int, classes: int, density: float
+) -> SelectCase:
+    """A base whose exponents straddle a window of ``classes`` (so the edge classes
+    collect the clipped ones), a random element range, and about ``density`` of its
+    elements queried, as the context codec's decoder would: class-major, by rank."""
+    base = random_bits(rng, dtype, (n,))
+    lo = 0
+    if width:
+        top = (1 << width) - 1
+        lo = int(rng.integers(0, max(1, top - classes)))
+        exps = np.clip(lo + rng.integers(-2, classes + 2, n), 0, top).astype(base.dtype)
+        field = base.dtype.type(top << shift)
+        base = (base & ~field) | (exps << base.dtype.type(shift))
+    start = int(rng.integers(0, max(1, n // 4)))
+    stop = int(rng.integers(max(start, n - n // 4), n + 1))
+    exponent = (base.astype(np.uint64) >> np.uint64(shift)) & np.uint64((1 << width) - 1)
+    cls = np.clip(exponent.astype(np.int64) - lo, 0, classes - 1)
+    # rank of an element = elements of its class in [start, element).
+    rank_all = np.zeros(n, np.int64)
+    for c in range(classes):
+        members = np.flatnonzero(cls[start:stop] == c) + start
+        rank_all[members] = np.arange(members.size)
+    picked = np.flatnonzero(rng.random(stop - start) < density) + start
+    rank = rank_all[picked]
+    order = np.lexsort((rank, cls[picked]))
+    return SelectCase(
+        dtype,
+        base,
+        shift,
+        width,
+        lo,
+        classes,
+        start,
+        stop,
+        cls[picked][order].astype(np.uint8),
+        rank[order],
+        picked[order].astype(np.int64),
+    )

@@ -20,7 +20,16 @@ API = sorted(name for name in vars(Backend) if not name.startswith("_"))
 
 
 def test_api_is_the_protocol() -> None:
-    assert API == ["apply", "apply_delta", "cast", "decode_gaps", "diff_cast", "fingerprint"]
+    assert API == [
+        "apply",
+        "apply_delta",
+        "apply_ranks",
+        "cast",
+        "decode_gaps",
+        "diff_cast",
+        "fingerprint",
+        "select_ranks",
+    ]
 
 
 @pytest.mark.parametrize("name", API)

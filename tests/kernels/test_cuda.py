@@ -13,18 +13,21 @@ import pytest
 from numpy.typing import NDArray
 
 import kernels
-from bulletin.errors import InvalidInput, VerificationFailed
+from bulletin.errors import FormatError, InvalidInput, VerificationFailed
 from kernels import cuda
 from kernels import numpy_twin as twin
+from patcher.context import ClassWindow
 from patcher.fingerprint import fingerprint_delta
 from tests.kernels.helpers import (
     CASTS,
+    SELECT_FIELDS,
     SPECIALS,
     golden_cases,
     golden_patch,
     model_patch,
     pair,
     random_bits,
+    select_case,
     sorted_unique,
 )
 
@@ -225,3 +228,54 @@ def test_golden_patches_apply_the_same_on_both_paths(case: str) -> None:
         np.testing.assert_array_equal(host(flat[idx_d]), on_host.reshape(-1)[td.indices])
         assert int(cp.count_nonzero(flat)) == int(np.count_nonzero(td.delta))
         del device, flat
+
+
+STILE = cuda.SELECT_TILE_ELEMENTS
+
+
+@pytest.mark.parametrize("dtype,shift,width", SELECT_FIELDS)
+def test_select_ranks(dtype: str, shift: int, width: int) -> None:
+    rng = np.random.default_rng(shift + width)
+    for n in [1, 100, STILE - 1, STILE, STILE + 1, 7 * STILE + 5, 1_000_003]:
+        for classes in [1, 5, 16] if width else [1]:
+            for density in [1e-4, 0.01, 0.5, 1.0]:
+                case = select_case(rng, dtype, shift, width, n, classes, density)
+                window = ClassWindow(case.lo, case.classes)
+                args = (case.start, case.stop, case.query_classes, case.ranks)
+                want = twin.select_ranks(case.base, dtype, window, *args)
+                base = on_device(case.base, int(rng.integers(0, 8)))
+                queries = cp.asarray(case.query_classes), cp.asarray(case.ranks)
+                got = cuda.select_ranks(base, dtype, window, case.start, case.stop, *queries)
+                where = f"n={n} classes={classes} m={case.ranks.size}"
+                np.testing.assert_array_equal(host(got), want, err_msg=where)
+                np.testing.assert_array_equal(host(base), case.base, err_msg=where)
+
+
+def test_select_ranks_refuses_ranks_past_their_class() -> None:
+    case = select_case(np.random.default_rng(9), "BF16", 7, 8, 50_000, 6, 0.05)
+    window = ClassWindow(case.lo, case.classes)
+    ranks = case.ranks.copy()
+    ranks[-1] += 50_000
+    classes, device_ranks = cp.asarray(case.query_classes), cp.asarray(ranks)
+    with pytest.raises(FormatError):
+        cuda.select_ranks(cp.asarray(case.base), "BF16", window, case.start, case.stop, classes, device_ranks)
+    with pytest.raises(FormatError):
+        twin.select_ranks(case.base, "BF16", window, case.start, case.stop, case.query_classes, ranks)
+
+
+@pytest.mark.parametrize("dtype,shift,width", SELECT_FIELDS)
+def test_apply_ranks(dtype: str, shift: int, width: int) -> None:
+    rng = np.random.default_rng(shift + width + 1)
+    for n in [1, STILE + 1, 1_000_003]:
+        for classes in [1, 16] if width else [1]:
+            for density in [0.0035, 1.0]:
+                case = select_case(rng, dtype, shift, width, n, classes, density)
+                window = ClassWindow(case.lo, case.classes)
+                delta = random_bits(rng, dtype, (case.ranks.size,))
+                held = case.base.copy()
+                args = (case.start, case.stop)
+                want = twin.apply_ranks(held, dtype, window, *args, case.query_classes, case.ranks, delta)
+                bits = on_device(case.base, int(rng.integers(0, 8)))
+                queries = cp.asarray(case.query_classes), cp.asarray(case.ranks), cp.asarray(delta)
+                assert cuda.apply_ranks(bits, dtype, window, *args, *queries) == want
+                np.testing.assert_array_equal(host(bits), held)

@@ -18,20 +18,24 @@ import numpy as np
 import pytest
 from numpy.typing import NDArray
 
-from bulletin.errors import InvalidInput, VerificationFailed
+from bulletin.errors import FormatError, InvalidInput, VerificationFailed
 from kernels import cuda
 from kernels import numpy_twin as twin
+from kernels._checks import ClassField
 from patcher.cast import cast_bits, cast_kind
+from patcher.context import ClassWindow, choose_window, class_ranks
 from patcher.dtypes import bits_dtype
 from tests.kernels.emulator import EmulatorRuntime, Placed, build_emulator, compiler, isolated
 from tests.kernels.helpers import (
     CASTS,
+    SELECT_FIELDS,
     SPECIALS,
     golden_cases,
     golden_patch,
     model_patch,
     pair,
     random_bits,
+    select_case,
     sorted_unique,
 )
 
@@ -232,3 +236,117 @@ def test_golden_patches_apply_the_same_on_both_paths(runtime: EmulatorRuntime, c
         assert change == twin.apply_delta(held, td.indices, td.delta), td.spec.name
         np.testing.assert_array_equal(after, held, err_msg=td.spec.name)
         np.testing.assert_array_equal(indices, td.indices, err_msg=td.spec.name)
+
+
+STILE = cuda.SELECT_TILE_ELEMENTS
+
+
+@pytest.mark.parametrize("dtype,shift,width", SELECT_FIELDS)
+def test_select_ranks(runtime: EmulatorRuntime, dtype: str, shift: int, width: int) -> None:
+    rng = np.random.default_rng(shift * 100 + width)
+    cases = [
+        select_case(rng, dtype, shift, width, n, classes, density)
+        for n in [1, 100, STILE - 1, STILE + 1, 3 * STILE + 77]
+        for classes in ([1, 5, 16] if width else [1])
+        for density in [0.01, 0.3, 1.0]
+    ]
+    offsets = [offset_of(rng, c.base.itemsize) for c in cases]
+
+    def run() -> list[tuple[Any, ...]]:
+        out = []
+        for case, offset in zip(cases, offsets, strict=True):
+            placed = Placed(case.base, offset)
+            field = ClassField(case.shift, case.mask, case.lo, case.classes)
+            got = cuda._select_ranks(
+                runtime, placed.array, field, case.start, case.stop, case.query_classes, case.ranks
+            )
+            out.append((got, placed.canaries_intact(), np.array_equal(placed.array, case.base)))
+        return out
+
+    for case, (got, intact, unchanged) in zip(cases, isolated(run), strict=True):
+        where = f"n={case.base.size} [{case.start}, {case.stop}) classes={case.classes} m={case.ranks.size}"
+        np.testing.assert_array_equal(got, case.expected, err_msg=where)
+        window = ClassWindow(case.lo, case.classes)
+        want = twin.select_ranks(case.base, dtype, window, case.start, case.stop, case.query_classes, case.ranks)
+        np.testing.assert_array_equal(got, want, err_msg=where)
+        assert got.dtype == np.int64 and intact and unchanged, where
+
+
+def test_select_ranks_refuses_bad_queries(runtime: EmulatorRuntime) -> None:
+    case = select_case(np.random.default_rng(7), "BF16", 7, 8, 5000, 4, 0.2)
+    field = ClassField(7, 0xFF, case.lo, 4)
+    c, r = case.query_classes, case.ranks
+    counts = np.bincount(
+        np.clip(((case.base[case.start : case.stop] >> 7) & 0xFF).astype(np.int64) - case.lo, 0, 3), minlength=4
+    )
+    top = np.flatnonzero(c == c[-1])
+    bad_queries = {
+        "past its class": (c, np.concatenate([r[:-1], [counts[c[-1]]]])),
+        "class outside the window": (np.concatenate([c[:-1], [4]]).astype(np.uint8), r),
+        "negative rank": (c, np.concatenate([[-1], r[1:]])),
+        "classes out of order": (c[::-1].copy(), r[::-1].copy()),
+        "ranks not increasing": (c, np.concatenate([r[: top[-1]], [r[top[-2]]]])),
+    }
+    for what, (classes, ranks) in bad_queries.items():
+        with pytest.raises(FormatError):
+            cuda._select_ranks(runtime, case.base, field, case.start, case.stop, classes, ranks.astype(np.int64))
+        assert what
+    with pytest.raises(FormatError):
+        cuda._select_ranks(runtime, case.base, field, 10, 10, c[:1], np.zeros(1, np.int64))
+    empty = cuda._select_ranks(runtime, case.base, field, 0, 0, c[:0], r[:0])
+    assert empty.size == 0 and empty.dtype == np.int64
+
+
+@pytest.mark.parametrize("dtype,shift,width", SELECT_FIELDS)
+def test_apply_ranks(runtime: EmulatorRuntime, dtype: str, shift: int, width: int) -> None:
+    rng = np.random.default_rng(shift * 10 + width + 1)
+    cases = []
+    for n in [1, 700, 2 * STILE + 3]:
+        for classes in [1, 16] if width else [1]:
+            for density in [0.02, 1.0]:
+                case = select_case(rng, dtype, shift, width, n, classes, density)
+                delta = random_bits(rng, dtype, (case.ranks.size,))
+                cases.append((case, delta, offset_of(rng, case.base.itemsize)))
+
+    def run() -> list[tuple[Any, ...]]:
+        out = []
+        for case, delta, offset in cases:
+            placed = Placed(case.base, offset)
+            field = ClassField(case.shift, case.mask, case.lo, case.classes)
+            change = cuda._apply_ranks(
+                runtime, placed.array, field, case.start, case.stop, case.query_classes, case.ranks, delta
+            )
+            out.append((change, placed.array.copy(), placed.canaries_intact()))
+        return out
+
+    for (case, delta, _), (change, after, intact) in zip(cases, isolated(run), strict=True):
+        where = f"n={case.base.size} classes={case.classes} m={case.ranks.size}"
+        held = case.base.copy()
+        window = ClassWindow(case.lo, case.classes)
+        want = twin.apply_ranks(held, dtype, window, case.start, case.stop, case.query_classes, case.ranks, delta)
+        assert change == want, where
+        np.testing.assert_array_equal(after, held, err_msg=where)
+        expected = case.base.copy()
+        expected[case.expected] += delta
+        np.testing.assert_array_equal(held, expected, err_msg=where)
+        assert intact, where
+
+
+def test_select_ranks_inverts_the_encoders_class_ranks(runtime: EmulatorRuntime) -> None:
+    # A weight-like BF16 tensor and an Adam-like step, with the window the context
+    # codec's encoder picks: the kernel must find every change from its (class, rank).
+    rng = np.random.default_rng(11)
+    weights = rng.standard_normal(3 * STILE + 501).astype(np.float32) * np.float32(0.02)
+    old = cast_bits(weights.view(np.uint32), "F32", "BF16")
+    stepped = weights + np.float32(3e-4) * rng.standard_normal(weights.size).astype(np.float32)
+    new = cast_bits(stepped.view(np.uint32), "F32", "BF16")
+    indices = np.flatnonzero(old != new).astype(np.int64)
+    start = 100
+    indices = indices[indices >= start]
+    window = choose_window(old, "BF16", start, old.size, indices)
+    classes, ranks = class_ranks(old, "BF16", window, start, indices)
+    order = np.argsort(classes, kind="stable")
+    field = ClassField(7, 0xFF, window.lo, window.classes)
+    got = isolated(lambda: cuda._select_ranks(runtime, old, field, start, old.size, classes[order], ranks[order]))
+    assert window.classes > 1 and indices.size > 100
+    np.testing.assert_array_equal(got, indices[order])

@@ -9,15 +9,31 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bulletin.errors import IncompatibleTensors, InvalidInput, UnsupportedDtype, VerificationFailed, WrongBase
+from bulletin.errors import (
+    FormatError,
+    IncompatibleTensors,
+    InvalidInput,
+    UnsupportedDtype,
+    VerificationFailed,
+    WrongBase,
+)
 from kernels import numpy_twin as twin
 from patcher.cast import cast_bits
+from patcher.context import ClassWindow, class_ranks
 from patcher.diff import diff_bits
 from patcher.dtypes import bits_dtype
 from patcher.fingerprint import fingerprint
 from patcher.patch import Patch, TensorDelta, TensorSpec
 from patcher.streams import pack_gaps, unpack_gaps
-from tests.kernels.helpers import CASTS, model_patch, pair, random_bits, sorted_unique
+from tests.kernels.helpers import (
+    CASTS,
+    SELECT_FIELDS,
+    model_patch,
+    pair,
+    random_bits,
+    select_case,
+    sorted_unique,
+)
 
 MASK64 = (1 << 64) - 1
 
@@ -227,3 +243,90 @@ def test_unchanged_tensor_keeps_its_fingerprint() -> None:
     fp = fingerprint(bits)
     empty = TensorDelta(spec, np.empty(0, dtype=np.int64), np.empty(0, dtype=np.uint16), fp, fp)
     assert twin.apply(Patch({"w": empty}), {"w": bits}, {"w": fp}) == {"w": fp}
+
+
+@pytest.mark.parametrize("dtype,shift,width", SELECT_FIELDS)
+def test_select_ranks_inverts_class_ranks(dtype: str, shift: int, width: int) -> None:
+    rng = np.random.default_rng(width)
+    for n in [1, 333, 5000]:
+        for classes in [1, 3, 16] if width else [1]:
+            case = select_case(rng, dtype, shift, width, n, classes, 0.2)
+            window = ClassWindow(case.lo, case.classes)
+            got = twin.select_ranks(case.base, dtype, window, case.start, case.stop, case.query_classes, case.ranks)
+            np.testing.assert_array_equal(got, case.expected)
+            # And the encoder's side gives back the queries.
+            order = np.argsort(case.expected)
+            c, r = class_ranks(case.base, dtype, window, case.start, case.expected[order])
+            np.testing.assert_array_equal(c, case.query_classes[order])
+            np.testing.assert_array_equal(r, case.ranks[order])
+
+
+def test_select_ranks_refuses_bad_arguments_and_queries() -> None:
+    case = select_case(np.random.default_rng(3), "BF16", 7, 8, 4000, 4, 0.1)
+    window = ClassWindow(case.lo, 4)
+    c, r = case.query_classes, case.ranks
+
+    def call(**changes: Any) -> Any:
+        args: dict[str, Any] = {
+            "base": case.base,
+            "dtype": "BF16",
+            "window": window,
+            "start": case.start,
+            "stop": case.stop,
+            "classes": c,
+            "ranks": r,
+        }
+        return twin.select_ranks(**(args | changes))
+
+    invalid: list[dict[str, Any]] = [
+        {"dtype": "F32"},
+        {"window": ClassWindow(0, 17)},
+        {"window": ClassWindow(0, 2), "dtype": "U16"},
+        {"stop": case.base.size + 1},
+        {"start": case.stop + 1},
+        {"classes": c.astype(np.int64)},
+        {"ranks": r[:-1]},
+        {"ranks": r.astype(np.int32)},
+    ]
+    for bad in invalid:
+        with pytest.raises(InvalidInput):
+            call(**bad)
+    corrupt: list[dict[str, Any]] = [
+        {"classes": np.concatenate([c[:-1], [4]]).astype(np.uint8)},
+        {"ranks": np.concatenate([r[:-1], [r[-1] + 4000]])},
+        {"classes": c[::-1].copy(), "ranks": r[::-1].copy()},
+        {"ranks": np.concatenate([[-1], r[1:]])},
+    ]
+    for bad in corrupt:
+        with pytest.raises(FormatError):
+            call(**bad)
+
+
+def test_apply_ranks_is_select_then_apply_delta_and_refuses_without_writing() -> None:
+    rng = np.random.default_rng(12)
+    case = select_case(rng, "BF16", 7, 8, 9000, 16, 0.05)
+    window = ClassWindow(case.lo, case.classes)
+    delta = random_bits(rng, "BF16", (case.ranks.size,))
+    held = case.base.copy()
+    change = twin.apply_ranks(held, "BF16", window, case.start, case.stop, case.query_classes, case.ranks, delta)
+    order = np.argsort(case.expected)
+    reference = case.base.copy()
+    assert change == twin.apply_delta(reference, case.expected[order], delta[order])
+    np.testing.assert_array_equal(held, reference)
+    assert fingerprint(held) == (fingerprint(case.base) + change) & MASK64
+    ranks = case.ranks.copy()
+    ranks[-1] += 9000
+    held = case.base.copy()
+    with pytest.raises(FormatError):
+        twin.apply_ranks(held, "BF16", window, case.start, case.stop, case.query_classes, ranks, delta)
+    with pytest.raises(InvalidInput):
+        twin.apply_ranks(held, "BF16", window, case.start, case.stop, case.query_classes, case.ranks, delta[:-1])
+    with pytest.raises(InvalidInput):
+        twin.apply_ranks(
+            held, "BF16", window, case.start, case.stop, case.query_classes, case.ranks, delta.astype(np.uint32)
+        )
+    read_only = case.base.copy()
+    read_only.flags.writeable = False
+    with pytest.raises(InvalidInput):
+        twin.apply_ranks(read_only, "BF16", window, case.start, case.stop, case.query_classes, case.ranks, delta)
+    np.testing.assert_array_equal(held, case.base)

@@ -24,6 +24,8 @@ def test_bench_dry_run(tmp_path: Path) -> None:
     assert report["publish"]["changed"] > 0 and report["publish"]["shards"] >= 1
     assert report["apply"]["verified"] is True
     assert report["apply"]["gpu_gap_decoding"]["matches_cpu_decode"] is True
+    assert report["select"]["exact"] is True and report["select"]["queries"] > 0
+    assert report["select"]["fused_apply_fingerprint_exact"] is True
 
 
 @pytest.mark.slow

@@ -9,13 +9,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from patcher.decode import decode, read_shard_header
 from patcher.encode import encode
 from patcher.fingerprint import format_fingerprint
 from patcher.format import FORMAT_MAJOR
-from tests.golden.cases import CASES, build, library_versions, summarise
+from tests.golden.cases import CASES, build, build_base, library_versions, summarise
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 CURRENT = GOLDEN / f"v{FORMAT_MAJOR}"
@@ -29,6 +30,16 @@ def _expected(folder: Path) -> dict[str, Any]:
 
 def _shards(folder: Path, case: dict[str, Any]) -> list[bytes]:
     return [(folder / f["name"]).read_bytes() for f in case["files"]]
+
+
+def _base(folder: Path, case: dict[str, Any]) -> dict[str, Any] | None:
+    """The base bits stored beside a context-coded case (its decoder's context), checked."""
+    if "base" not in case:
+        return None
+    path = folder / case["base"]["name"]
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == case["base"]["sha256"], path.name
+    with np.load(path) as stored:
+        return {name: stored[name] for name in stored.files}
 
 
 def test_every_version_folder_is_complete() -> None:
@@ -47,7 +58,7 @@ def test_can_read_old(folder: Path) -> None:
     """Every committed shard, of every format version, still decodes to what it held."""
     for name, case in _expected(folder)["cases"].items():
         shards = _shards(folder, case)
-        patch = decode(shards)
+        patch = decode(shards, base=_base(folder, case))
         assert summarise(patch) == case["patch"], name
         for data in shards:
             assert read_shard_header(data).codec == case["codec"], name
@@ -63,14 +74,18 @@ def test_encode_reproduces_golden_bytes(case: Any) -> None:
     recorded = expected["cases"][case.name]
     patch = build(case)
     assert summarise(patch) == recorded["patch"]
-    shards = encode(patch, codec=case.codec, level=case.level, max_shard_bytes=case.max_shard_bytes)
+    shards = encode(
+        patch, codec=case.codec, level=case.level, max_shard_bytes=case.max_shard_bytes, base=build_base(case)
+    )
     assert shards == _shards(CURRENT, recorded)
 
 
 def test_golden_cases_cover_the_format() -> None:
     """The committed files exercise what the spec promises readers can meet."""
     cases = _expected(CURRENT)["cases"]
-    assert {c["codec"] for c in cases.values()} == {"zstd", "lz4"}
+    assert {c["codec"] for c in cases.values()} == {"zstd", "lz4", "context"}
+    assert cases["mixed-context"]["patch"] == cases["mixed-zstd"]["patch"]  # the same patch, coded on its base
+    assert len(cases["split-context"]["files"]) > 1
     mixed = cases["mixed-zstd"]["patch"]
     assert {t["dtype"] for t in mixed.values()} >= {"BF16", "F32", "F16", "U8", "I64", "BOOL", "F8_E4M3", "F64"}
     assert any(t["shape"] == [] and t["changed"] for t in mixed.values())  # 0-d

@@ -1,49 +1,122 @@
-"""Loopback HTTP servers that implement engines' control contracts, for adapter tests.
+"""Loopback HTTP servers that behave as vLLM's and SGLang's servers do, for adapter tests.
 
-They are real servers speaking real HTTP; what they do behind each endpoint is what
-the engine's source does, reduced to the part the adapter depends on:
+They are real servers speaking real HTTP. Behind each endpoint they do what the
+engine's source does (vLLM 0.33.0, commit ``4ba787ec9``; SGLang 0.5.23; files cited per
+class and in docs/ENGINES.md), reduced to what the adapters and the sidecar depend on,
+and they hold real version-dependent state: every completion is computed from the live
+weights through a prefix cache (vLLM's prefix cache, SGLang's radix cache), so a cache
+that is not reset after a weight change serves the old version's numbers.
 
-- :class:`VllmServer`: vLLM's ``POST /collective_rpc`` (dev mode) dispatching to
-  worker objects that have ``BulletinWorkerExtension`` mixed in, as vLLM's
-  ``WorkerWrapperBase`` does, and ``GET /health``;
-- :class:`SglangServer`: SGLang's ``POST /update_weights_from_disk`` (loads the
-  safetensors folder at ``model_path`` into a torch module by name, answers
-  ``{"success", "message", "num_paused_requests"}`` with 200 or 400),
-  ``GET /get_weight_version`` and ``GET /health``.
+A completion's "logprobs" are one number per prompt position, computed from the
+prefix up to that position and the weights (:func:`prefix_values`), standing for the
+KV a real engine caches per block of tokens. ``prompt`` is a list of token ids;
+``"hold": true`` keeps the request running until :meth:`_Server.release` is called,
+as a long generation does.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
+import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
 import torch
 from safetensors.torch import load_file
 
 from bulletin.engines.vllm import BulletinWorkerExtension
 
+#: Tokens per cached block (vLLM's ``block_size`` / SGLang's page), small for tests.
+BLOCK = 4
+
+Route = Callable[["Call"], tuple[int, Any]]
+
+
+@dataclass
+class Call:
+    """One request as a route sees it."""
+
+    path: str
+    query: dict[str, str]
+    raw: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.raw) if self.raw else None
+
+
+class BadRequest(Exception):
+    def __init__(self, status: int, body: Any) -> None:
+        super().__init__(body)
+        self.status, self.body = status, body
+
+
+def prefix_values(model: torch.nn.Module, tokens: list[int]) -> list[float]:
+    """One number per position: a function of the weights and the prompt up to there."""
+    flat = [p.detach().reshape(-1) for p in model.state_dict().values() if p.numel()]
+    out = []
+    key = 0
+    for t in tokens:
+        key = (key * 1_000_003 + t + 1) % (1 << 61)
+        out.append(float(sum(float(p[key % p.numel()].float()) for p in flat)))
+    return out
+
+
+@dataclass
+class PrefixCache:
+    """Values computed per full block of a prompt, keyed by the prompt up to that block."""
+
+    blocks: dict[tuple[int, ...], list[float]] = field(default_factory=dict)
+    hits: int = 0
+
+    def compute(self, model: torch.nn.Module, tokens: list[int]) -> list[float]:
+        reuse = 0
+        for end in range(BLOCK, len(tokens) + 1, BLOCK):
+            if tuple(tokens[:end]) not in self.blocks:
+                break
+            reuse = end
+        fresh = prefix_values(model, tokens)
+        values = (self.blocks[tuple(tokens[:reuse])] if reuse else []) + fresh[reuse:]
+        if reuse:
+            self.hits += 1
+        for end in range(BLOCK, len(tokens) + 1, BLOCK):
+            self.blocks.setdefault(tuple(tokens[:end]), values[:end])
+        return values
+
+    def clear(self) -> None:
+        self.blocks.clear()
+
 
 class _Server:
-    def __init__(self, routes: dict[tuple[str, str], Callable[[Any], tuple[int, Any]]]) -> None:
+    """A threaded HTTP server dispatching ``(method, path)`` to routes; counts every call."""
+
+    def __init__(self, routes: dict[tuple[str, str], Route]) -> None:
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
             def _serve(self, method: str) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 raw = self.rfile.read(length) if length else b""
-                route = routes.get((method, self.path))
-                if route is None:
-                    status, body = 404, {"detail": "Not Found"}
-                else:
-                    status, body = route(json.loads(raw) if raw else None)
-                outer.calls.append((method, self.path))
-                data = json.dumps(body).encode()
+                parts = urlsplit(self.path)
+                query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+                route = routes.get((method, parts.path))
+                outer.calls.append((method, parts.path))
+                try:
+                    if route is None:
+                        raise BadRequest(404, {"detail": "Not Found"})
+                    status, body = route(Call(parts.path, query, raw))
+                except BadRequest as exc:
+                    status, body = exc.status, exc.body
+                except Exception as exc:  # an unhandled exception: FastAPI's plain 500
+                    status, body = 500, {"detail": f"Internal Server Error: {exc!r}"}
+                data = (body if isinstance(body, bytes) else json.dumps(body).encode()) if body is not None else b""
                 self.send_response(status)
-                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Type", "application/json" if not isinstance(body, bytes) else "text/plain")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)
@@ -58,7 +131,11 @@ class _Server:
                 return
 
         self.calls: list[tuple[str, str]] = []
+        self._release = threading.Event()
+        self.running = 0
+        self.aborted = 0
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self.thread.start()
 
@@ -66,10 +143,42 @@ class _Server:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.httpd.server_address[1]}"
 
+    def count(self, path: str) -> int:
+        return sum(1 for _, p in self.calls if p == path)
+
+    def release(self) -> None:
+        self._release.set()
+
     def close(self) -> None:
+        self._release.set()
         self.httpd.shutdown()
         self.httpd.server_close()
         self.thread.join()
+
+    def _run_request(self, hold: bool, abort: threading.Event) -> bool:
+        """A running request; False if an abort ended it (finish reason ``abort``)."""
+        self.running += 1
+        try:
+            while hold and not self._release.is_set():
+                if abort.wait(0.01):
+                    self.aborted += 1
+                    return False
+            return True
+        finally:
+            self.running -= 1
+
+    @staticmethod
+    def _json_object(call: Call) -> dict[str, Any]:
+        try:
+            body = call.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise BadRequest(400, {"error": {"message": f"JSON decode error: {exc}", "code": 400}}) from None
+        if not isinstance(body, dict):
+            raise BadRequest(400, {"error": {"message": "Request body must be a JSON object", "code": 400}})
+        return body
+
+
+# -- vLLM ---------------------------------------------------------------------------------
 
 
 class FakeVllmWorker:
@@ -89,50 +198,409 @@ def extended_worker(model: torch.nn.Module) -> Any:
 
 
 class VllmServer(_Server):
-    def __init__(self, workers: list[Any], *, dev_mode: bool = True) -> None:
-        self.workers = workers
+    """vLLM 0.33.0's OpenAI server in dev mode (``VLLM_SERVER_DEV_MODE=1``), over one or
+    more data-parallel engines, each a list of workers with the extension mixed in.
 
-        def rpc(body: Any) -> tuple[int, Any]:
-            method = body.get("method")
-            if method is None:
-                return 400, {"detail": "Missing 'method' in request body"}
-            args, kwargs = body.get("args", []), body.get("kwargs", {})
-            results = [getattr(w, method)(*args, **kwargs) for w in self.workers]
-            return 200, {"results": results}
+    As in the source:
 
-        routes: dict[tuple[str, str], Callable[[Any], tuple[int, Any]]] = {("GET", "/health"): lambda _: (200, {})}
+    - ``POST /collective_rpc`` (``entrypoints/serve/dev/rpc/api_router.py``): a body that
+      is not JSON, not an object, or has no ``method`` is 400; every engine runs the
+      method on each of its workers (``v1/engine/core_client.py``:
+      ``DPLBAsyncMPClient.call_utility_async`` gathers every engine and returns the first
+      engine's results only); a worker's exception fails the call from any engine, as a
+      500 ``{"error": {"message": "Call to collective_rpc method failed: ..."}}``
+      (``v1/engine/core.py`` ``_invoke_utility_method``, ``serve/exception_handling``);
+      results that are not dicts, lists or None are turned into strings; a worker
+      slower than the call's ``timeout`` fails it ("RPC call to ... timed out").
+    - ``POST /pause?mode=abort|wait|keep&clear_cache=`` and ``/resume``
+      (``entrypoints/rl/online/api_router.py``, ``v1/engine/core.py``
+      ``pause_scheduler``): ``abort`` ends running requests (finish reason ``abort``);
+      ``abort`` and ``wait`` answer new completions 503 until resumed; ``clear_cache``
+      (default true) resets the prefix cache when the pause completes.
+    - ``POST /reset_prefix_cache?reset_running_requests=`` answers ``{"success": false}``
+      while requests hold blocks unless they are preempted (``v1/core/sched/scheduler.py``);
+      with several engines it succeeds only if every engine's does.
+    - ``POST /reset_encoder_cache``, ``POST /update_weight_version {"new_version"}`` (every
+      engine), ``GET /weight_info`` (the engines' consensus), ``GET /get_world_size``.
+    - ``POST /v1/completions``: computed from the first worker's live weights through
+      the engine's prefix cache, engines taken in turn (vLLM's DP load balancing).
+
+    Deviations, and why they do not matter to what is tested: no tokenizer, sampling or
+    real attention (the numbers are a function of bits and prefix, which is what a
+    stale cache shows); workers run in the server's threads rather than processes (the
+    extension code is the same); error messages keep paths (vLLM strips them).
+    """
+
+    def __init__(
+        self, workers: list[Any] | None = None, *, engines: list[list[Any]] | None = None, dev_mode: bool = True
+    ) -> None:
+        self.engines: list[list[Any]] = engines if engines is not None else [workers or []]
+        self.caches = [PrefixCache() for _ in self.engines]
+        self.paused: str | None = None
+        self.weight_versions = ["default" for _ in self.engines]
+        self.worker_delay = 0.0
+        self.encoder_resets = 0
+        self._abort = threading.Event()
+        self._turn = 0
+        routes: dict[tuple[str, str], Route] = {
+            ("GET", "/health"): lambda _: (200, None),
+            ("POST", "/v1/completions"): self._completions,
+        }
         if dev_mode:
-            routes[("POST", "/collective_rpc")] = rpc
+            routes.update(
+                {
+                    ("POST", "/collective_rpc"): self._rpc,
+                    ("POST", "/pause"): self._pause,
+                    ("POST", "/resume"): self._resume,
+                    ("GET", "/is_paused"): lambda _: (200, {"is_paused": self.paused is not None}),
+                    ("POST", "/reset_prefix_cache"): self._reset_prefix_cache,
+                    ("POST", "/reset_encoder_cache"): self._reset_encoder_cache,
+                    ("POST", "/update_weight_version"): self._update_weight_version,
+                    ("GET", "/weight_info"): self._weight_info,
+                    ("GET", "/get_world_size"): self._world_size,
+                }
+            )
         super().__init__(routes)
+
+    @property
+    def workers(self) -> list[Any]:
+        """The first engine's workers (the one engine of a server without data parallelism)."""
+        return self.engines[0]
+
+    @workers.setter
+    def workers(self, value: list[Any]) -> None:
+        self.engines = [value]
+        self.caches = [PrefixCache()]
+        self.weight_versions = ["default"]
+
+    def _rpc(self, call: Call) -> tuple[int, Any]:
+        body = self._json_object(call)
+        method = body.get("method")
+        if method is None:
+            raise BadRequest(400, {"error": {"message": "Missing 'method' in request body", "code": 400}})
+        args, kwargs, timeout = body.get("args", []), body.get("kwargs", {}), body.get("timeout")
+        per_engine = []
+        for workers in self.engines:  # every engine runs it; any engine's failure fails the call
+            results = []
+            for worker in workers:
+                if self.worker_delay and timeout is not None and self.worker_delay > timeout:
+                    time.sleep(timeout)
+                    return self._failed(TimeoutError(f"RPC call to {method} timed out."))
+                try:
+                    results.append(getattr(worker, method)(*args, **kwargs))
+                except Exception as exc:
+                    return self._failed(exc)
+            per_engine.append(results)
+        first = [r if r is None or isinstance(r, dict | list) else str(r) for r in per_engine[0]]
+        return 200, {"results": first}
+
+    @staticmethod
+    def _failed(exc: BaseException) -> tuple[int, Any]:
+        message = f"Call to collective_rpc method failed: {exc}"
+        return 500, {"error": {"message": message, "type": "InternalServerError", "param": None, "code": 500}}
+
+    def _pause(self, call: Call) -> tuple[int, Any]:
+        mode = call.query.get("mode", "abort")
+        if mode not in ("abort", "wait", "keep"):
+            return 400, {"error": f"Invalid pause mode: {mode}"}
+        if mode == "abort":
+            self._abort.set()
+            while self.running:
+                time.sleep(0.005)
+            self._abort.clear()
+        self.paused = mode
+        if call.query.get("clear_cache", "true") == "true" and mode != "keep":
+            for cache in self.caches:
+                cache.clear()
+        return 200, {"status": "paused"}
+
+    def _resume(self, call: Call) -> tuple[int, Any]:
+        self.paused = None
+        return 200, {"status": "resumed"}
+
+    def _reset_prefix_cache(self, call: Call) -> tuple[int, Any]:
+        if self.running and call.query.get("reset_running_requests") != "true":
+            return 200, {"success": False}
+        for cache in self.caches:
+            cache.clear()
+        return 200, {"success": True}
+
+    def _reset_encoder_cache(self, call: Call) -> tuple[int, Any]:
+        self.encoder_resets += 1
+        return 200, None
+
+    def _update_weight_version(self, call: Call) -> tuple[int, Any]:
+        body = self._json_object(call)
+        if not isinstance(body.get("new_version"), str):
+            raise BadRequest(422, {"error": {"message": "new_version: field required", "code": 422}})
+        self.weight_versions = [body["new_version"] for _ in self.engines]
+        return 200, {"success": True, "new_version": body["new_version"]}
+
+    def _weight_info(self, call: Call) -> tuple[int, Any]:
+        if len(set(self.weight_versions)) > 1:
+            return 500, {
+                "error": {
+                    "message": f"Engines returned different get_weight_version results: {self.weight_versions}",
+                    "code": 500,
+                }
+            }
+        return 200, {"weight_version": self.weight_versions[0]}
+
+    def _world_size(self, call: Call) -> tuple[int, Any]:
+        per_engine = max(1, len(self.engines[0]))
+        dp = len(self.engines) if call.query.get("include_dp", "true") == "true" else 1
+        return 200, {"world_size": per_engine * dp}
+
+    def _completions(self, call: Call) -> tuple[int, Any]:
+        body = self._json_object(call)
+        if self.paused in ("abort", "wait"):
+            return 503, {"error": {"message": "The engine is paused", "type": "ServiceUnavailableError", "code": 503}}
+        engine = self._turn % len(self.engines)
+        self._turn += 1
+        finished = self._run_request(bool(body.get("hold")), self._abort)
+        model = self.engines[engine][0].get_model()
+        values = self.caches[engine].compute(model, list(body["prompt"]))
+        return 200, {
+            "object": "text_completion",
+            "choices": [
+                {"index": 0, "text": "", "finish_reason": "length" if finished else "abort", "prompt_logprobs": values}
+            ],
+            "weight_version": self.weight_versions[engine],
+        }
+
+
+# -- SGLang -------------------------------------------------------------------------------
+
+
+@dataclass
+class LoadFault:
+    """Makes the next reloads fail after ``after`` tensors (SGLang raising mid-load).
+
+    ``rollback``: whether SGLang's own roll-back (loading the *new* folder again) then
+    completes ("once": a transient fault) or fails too ("always": the scheduler dies on
+    the roll-back's exception, the request answers 500). ``engines``: which data-parallel
+    engines fault (all by default).
+    """
+
+    after: int = 1
+    rollback: bool = True
+    engines: set[int] | None = None
+    times: int = 1
 
 
 class SglangServer(_Server):
-    def __init__(self, model: torch.nn.Module, *, refuse: bool = False) -> None:
-        self.model = model
-        self.weight_version: str | None = None
+    """SGLang 0.5.23's HTTP server over one or more data-parallel engines (torch modules).
+
+    As in the source (``python/sglang/srt/``):
+
+    - ``POST /update_weights_from_disk`` (``entrypoints/http_server.py``,
+      ``managers/tokenizer_manager.py``, ``managers/scheduler_components/
+      weight_updater.py``, ``model_executor/model_runner_components/weight_updater.py``):
+      ``abort_all_requests`` ends running requests first; each engine sets the folder as
+      its model path *before* loading, then loads it tensor by tensor into the live
+      parameters; on an exception it answers "Failed to update weights: ... Rolling back
+      to original weights." after loading the model path (the new folder) again, which
+      may complete (the engine then holds the new weights) or raise (500: mixed weights);
+      after a load the radix cache is flushed, and a flush refused because requests are
+      running fails the call with the new weights in place; the weight version is
+      recorded only on success. With several engines the call succeeds only if all do,
+      messages joined by `` | ``. 200 or 400 ``{"success", "message", "num_paused_requests"}``.
+    - ``GET|POST /flush_cache``: 200, or 400 while requests run.
+    - ``GET /model_info`` (``weight_version``); ``legacy=True`` serves SGLang 0.5.3's
+      ``GET /get_weight_version`` instead.
+    - ``POST /weights_checker {"action": "checksum"}`` (``utils/weight_checker.py``): one
+      ``ChecksumInfo`` per rank (sha256 of each tensor, ``per_gpu_checksum`` over them),
+      ``per_engine_checksum`` over the ranks.
+    - ``POST /pause_generation`` / ``/continue_generation``, ``POST /update_weight_version``.
+    - ``POST /v1/completions``: computed from the live weights through the engine's radix
+      cache (engines in turn); while paused, requests wait for ``continue_generation``.
+
+    Deviations: no tokenizer or sampling (as for vLLM above); the load is by
+    state-dict name rather than through the model's ``load_weights`` (fused layouts are
+    vLLM's concern here); one weight version for the scheduler and the tokenizer
+    manager (SGLang keeps both; the one reported is the latter, set on success only).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module | None = None,
+        *,
+        engines: list[torch.nn.Module] | None = None,
+        refuse: bool = False,
+        legacy: bool = False,
+    ) -> None:
+        self.engines: list[torch.nn.Module] = engines if engines is not None else [model or torch.nn.Module()]
+        self.caches = [PrefixCache() for _ in self.engines]
+        self.weight_version: str | None = "default"
+        self.model_path: str | None = None
         self.loaded_from: list[str] = []
         self.refuse = refuse
+        self.fault: LoadFault | None = None
+        self.paused = False
+        self._abort = threading.Event()
+        self._turn = 0
+        routes: dict[tuple[str, str], Route] = {
+            ("POST", "/update_weights_from_disk"): self._update,
+            ("GET", "/flush_cache"): self._flush,
+            ("POST", "/flush_cache"): self._flush,
+            ("POST", "/weights_checker"): self._checksum,
+            ("POST", "/update_weight_version"): self._update_weight_version,
+            ("POST", "/pause_generation"): self._pause,
+            ("POST", "/continue_generation"): self._continue,
+            ("POST", "/v1/completions"): self._completions,
+            ("GET", "/health"): lambda _: (200, None),
+        }
+        if legacy:
+            routes[("GET", "/get_weight_version")] = lambda _: (200, {"weight_version": self.weight_version})
+        else:
+            routes[("GET", "/model_info")] = lambda _: (
+                200,
+                {"model_path": self.model_path, "weight_version": self.weight_version},
+            )
+        super().__init__(routes)
 
-        def update(body: Any) -> tuple[int, Any]:
-            if self.refuse:
-                return 400, {"success": False, "message": "Failed to update weights: out of memory"}
-            folder = Path(body["model_path"])
-            tensors: dict[str, torch.Tensor] = {}
-            for file in sorted(folder.glob("*.safetensors")):
-                tensors.update(load_file(str(file)))
-            params = self.model.state_dict()
-            with torch.no_grad():
-                for name, value in tensors.items():
-                    params[name].copy_(value)
-            self.loaded_from.append(str(folder))
-            if body.get("weight_version") is not None:
-                self.weight_version = body["weight_version"]
-            return 200, {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.engines[0]
 
-        super().__init__(
-            {
-                ("POST", "/update_weights_from_disk"): update,
-                ("GET", "/get_weight_version"): lambda _: (200, {"weight_version": self.weight_version}),
-                ("GET", "/health"): lambda _: (200, {}),
+    @model.setter
+    def model(self, value: torch.nn.Module) -> None:
+        self.engines = [value]
+        self.caches = [PrefixCache()]
+
+    def _load(self, engine: int, folder: Path, fault: LoadFault | None) -> None:
+        tensors: dict[str, torch.Tensor] = {}
+        for file in sorted(folder.glob("*.safetensors")):
+            tensors.update(load_file(str(file)))
+        params = self.engines[engine].state_dict()
+        with torch.no_grad():
+            for k, (name, value) in enumerate(sorted(tensors.items())):
+                if fault is not None and k == fault.after:
+                    raise RuntimeError(f"CUDA out of memory while loading {name}")
+                params[name].copy_(value)
+
+    def _update(self, call: Call) -> tuple[int, Any]:
+        body = self._json_object(call)
+        if not isinstance(body.get("model_path"), str):
+            raise BadRequest(400, {"object": "error", "message": "model_path: field required", "code": 400})
+        if self.refuse:
+            return 400, {
+                "success": False,
+                "message": "Failed to get weights iterator: no such file.",
+                "num_paused_requests": 0,
             }
-        )
+        if body.get("abort_all_requests"):
+            self._abort.set()
+            while self.running:
+                time.sleep(0.005)
+            self._abort.clear()
+        fault = self.fault
+        if fault is not None:
+            fault.times -= 1
+            if fault.times <= 0:
+                self.fault = None
+        results = []
+        for engine in range(len(self.engines)):
+            self.model_path = body["model_path"]  # set before loading, as SGLang does
+            folder = Path(self.model_path)
+            faulty = fault if fault is not None and (fault.engines is None or engine in fault.engines) else None
+            try:
+                self._load(engine, folder, faulty)
+            except RuntimeError as exc:
+                try:  # SGLang's roll-back loads the model path again: the new folder
+                    self._load(engine, folder, None if faulty is not None and faulty.rollback else faulty)
+                except RuntimeError:
+                    return 500, {"object": "error", "message": "Internal Server Error", "code": 500}
+                results.append((False, f"Failed to update weights: {exc}.\nRolling back to original weights."))
+                continue
+            if self.running:
+                results.append(
+                    (
+                        False,
+                        "Weights were updated, but the cache was not flushed because requests "
+                        "are still running or queued. Retract or finish them, then call /flush_cache.",
+                    )
+                )
+            else:
+                self.caches[engine].clear()
+                results.append((True, "Succeeded to update model weights."))
+        self.loaded_from.append(body["model_path"])
+        success = all(ok for ok, _ in results)
+        message = " | ".join(m for _, m in results)
+        if success and body.get("weight_version") is not None:
+            self.weight_version = body["weight_version"]
+            message += f" Weight version updated to {body['weight_version']}."
+        return (200 if success else 400), {"success": success, "message": message, "num_paused_requests": 0}
+
+    def _flush(self, call: Call) -> tuple[int, Any]:
+        if self.running:
+            return 400, b"Flush cache failed.\n"
+        for cache in self.caches:
+            cache.clear()
+        return 200, b"Cache flushed.\n"
+
+    def _checksum(self, call: Call) -> tuple[int, Any]:
+        body = self._json_object(call) if call.raw else {"action": "checksum"}
+        if body.get("action", "checksum") != "checksum":
+            return 400, {"success": False, "message": f"Unsupported action={body.get('action')}"}
+        ranks = []
+        for i, model in enumerate(self.engines):
+            sums = {
+                n: hashlib.sha256(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+                for n, t in model.state_dict().items()
+                if t.numel()
+            }
+            overall = hashlib.sha256()
+            for name in sorted(sums):
+                overall.update(name.encode())
+                overall.update(sums[name].encode())
+            info = {
+                "role": "target",
+                "tp_rank": 0,
+                "tp_size": 1,
+                "dp_rank": i,
+                "dp_size": len(self.engines),
+                "pp_rank": 0,
+                "pp_size": 1,
+                "rank": i,
+                "size": len(self.engines),
+            }
+            ranks.append({"checksums": sums, "per_gpu_checksum": overall.hexdigest(), "parallelism_info": info})
+        engine = hashlib.sha256()
+        for rank in ranks:
+            engine.update(str(rank["per_gpu_checksum"]).encode())
+        return 200, {"success": True, "message": "", "ranks": ranks, "per_engine_checksum": engine.hexdigest()}
+
+    def _update_weight_version(self, call: Call) -> tuple[int, Any]:
+        body = self._json_object(call)
+        self.weight_version = str(body["new_version"])
+        return 200, {
+            "success": True,
+            "message": f"Weight version updated to {body['new_version']}",
+            "new_version": body["new_version"],
+        }
+
+    def _pause(self, call: Call) -> tuple[int, Any]:
+        self.paused = True
+        return 200, {"message": "Generation paused successfully.", "status": "ok"}
+
+    def _continue(self, call: Call) -> tuple[int, Any]:
+        self.paused = False
+        return 200, {"message": "Generation continued successfully.", "status": "ok"}
+
+    def _completions(self, call: Call) -> tuple[int, Any]:
+        body = self._json_object(call)
+        deadline = time.monotonic() + 10.0
+        while self.paused and time.monotonic() < deadline:  # SGLang waits on is_pause_cond
+            time.sleep(0.005)
+        engine = self._turn % len(self.engines)
+        self._turn += 1
+        finished = self._run_request(bool(body.get("hold")), self._abort)
+        values = self.caches[engine].compute(self.engines[engine], list(body["prompt"]))
+        return 200, {
+            "object": "text_completion",
+            "choices": [
+                {"index": 0, "text": "", "finish_reason": "length" if finished else "abort", "prompt_logprobs": values}
+            ],
+            "weight_version": self.weight_version,
+        }

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -21,6 +22,8 @@ from bulletin.sidecar import GatedTarget, Sidecar, SidecarConfig
 from bulletin.subscriber import Subscriber
 
 RUN = "sidecar-test"
+#: Paths of the test engine that are not inference API paths, relayed in these tests.
+TEST_PATHS = ("/hold", "/v1/stream")
 
 
 @dataclass
@@ -131,12 +134,10 @@ async def stack(tmp: Path, config: SidecarConfig | None = None, *, publish_first
     await engine_server.start_server()
     target = GatedTarget(TorchTarget.from_module(served))
     subscriber = Subscriber(str(store), RUN, target=target)
-    sidecar = Sidecar(
-        subscriber,
-        str(engine_server.make_url("/")),
-        config=config or SidecarConfig(poll_interval=0.05, default_wait=5.0, drain_timeout=10.0),
-        target=target,
-    )
+    config = config or SidecarConfig(poll_interval=0.05, default_wait=5.0, drain_timeout=10.0)
+    # The test engine's extra paths are relayed too (the default allow-list does not).
+    config = dataclasses.replace(config, forward=(*config.forward, *TEST_PATHS))
+    sidecar = Sidecar(subscriber, str(engine_server.make_url("/")), config=config, target=target)
     client = TestClient(TestServer(sidecar.create_app()))
     await client.start_server()
     s = Stack(store, trainer, publisher, engine, sidecar, client, engine_server)

@@ -166,13 +166,16 @@ def test_a_stream_outliving_the_drain_timeout_is_told_at_its_end(tmp_path: Path)
     async def scenario() -> None:
         config = SidecarConfig(poll_interval=0.05, drain_timeout=0.1)
         async with stack(tmp_path, config) as s, s.client.post("/v1/stream") as resp:
+            preempted: list[bool] = []
+            assert s.sidecar.target is not None
+            s.sidecar.target.on_preempt = lambda: preempted.append(True)  # the engine is told, once
             await resp.content.readuntil(b"\n\n")
             await s.publish()
             await s.wait_version(2)
             s.engine.release.set()
             rest = await resp.read()
             assert rest.endswith(b": bulletin-version-changed served=1 active=2\n\n")
-            assert s.sidecar.metrics.preempted.value() == 1
+            assert s.sidecar.metrics.preempted.value() == 1 and preempted == [True]
 
     asyncio.run(scenario())
 

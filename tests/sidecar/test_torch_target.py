@@ -243,3 +243,23 @@ def test_prepare_reads_only_and_apply_then_writes_exactly_that() -> None:
     with pytest.raises(WrongBase):
         target.apply(patch, dict(fps, weight=fps["weight"] ^ 1))
     assert target.full_fingerprints() == fps
+
+
+def test_a_keyframe_is_read_back_from_the_live_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    from bulletin.engines import torch_module
+
+    specs, bits = _version(llama(TINY, 0))
+    target = TorchTarget.from_module(llama(TINY, 1, dtype=torch.bfloat16))
+    real = torch_module._Slot.overwrite
+
+    def lossy(slot: torch_module._Slot, source: np.ndarray) -> None:
+        real(slot, source)
+        if slot.spec.name == "model.norm.weight":
+            slot.bits.reshape(-1)[0] ^= 1  # a copy that did not land bit for bit
+
+    monkeypatch.setattr(torch_module._Slot, "overwrite", lossy)
+    with pytest.raises(VerificationFailed, match=r"model\.norm\.weight"):
+        target.load_full(bits, specs)
+    monkeypatch.setattr(torch_module._Slot, "overwrite", real)
+    target.load_full(bits, specs)
+    assert target.full_fingerprints() == {n: fingerprint(b) for n, b in bits.items()}

@@ -13,11 +13,12 @@ import torch
 from transformers import LlamaForCausalLM
 
 from bulletin.engines.vllm import VLLMTarget, WorkerState
-from bulletin.errors import EngineError, IncompatibleTensors, WrongBase
+from bulletin.errors import EngineError, IncompatibleTensors, InvalidInput, VerificationFailed, WrongBase
 from bulletin.publisher import Publisher
 from bulletin.snapshot import snapshot
 from bulletin.subscriber import Subscriber
 from bulletin.target import LocalDirTarget
+from patcher.fingerprint import fingerprint, parse_fingerprint
 from scripts._common import llama, llama_config
 from tests.sidecar.engine_servers import VllmServer, extended_worker
 
@@ -90,6 +91,10 @@ class VllmLlama(torch.nn.Module):
         return layer
 
 
+def _fps(answer: dict[str, Any]) -> dict[str, int]:
+    return {n: parse_fingerprint(v) for n, v in answer["fingerprints"].items()}
+
+
 def expected_fused(trainer: torch.nn.Module) -> dict[str, torch.Tensor]:
     """What each vLLM parameter must hold: the trainer's BF16 tensors, fused and padded."""
     sd = {k: v.detach().to(torch.bfloat16) for k, v in trainer.state_dict().items()}
@@ -147,7 +152,10 @@ def test_worker_binds_and_loads_a_keyframe_into_fused_parameters(tmp_path: Path,
     engine = VllmLlama()
     state = WorkerState(engine)
     specs = [{"name": s.name, "dtype": s.dtype, "shape": list(s.shape)} for s in snap.specs.values()]
-    assert state.handle("load", json.dumps({"specs": specs, "path": str(tmp_path / "kf")})) == {"ok": True}
+    out = state.handle("load", json.dumps({"specs": specs, "path": str(tmp_path / "kf")}))
+    assert out["ok"] is True
+    # What it answers is read back from the live parameters: the keyframe's fingerprints.
+    assert _fps(out) == {n: fingerprint(b) for n, b in snap.bits.items()}
     assert_holds(engine, trainer)
     # The tie held: lm_head is the embedding, written once through its served name.
     assert engine.lm_head.weight.data_ptr() == engine.model.embed_tokens.weight.data_ptr()
@@ -238,3 +246,180 @@ def test_worker_extension_names_cannot_clash_with_vllm_workers() -> None:
 
     names: list[Any] = [n for n in dir(BulletinWorkerExtension) if not n.startswith("__")]
     assert names and all(n.startswith("bulletin_") for n in names)
+
+
+# -- what the real engine does around a weight change ------------------------------------
+
+
+def _completion(server: VllmServer, prompt: list[int], **extra: Any) -> dict[str, Any]:
+    import urllib.request
+
+    req = urllib.request.Request(
+        f"{server.url}/v1/completions", data=json.dumps({"prompt": prompt, **extra}).encode(), method="POST"
+    )
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        answer: dict[str, Any] = json.loads(resp.read())
+    return answer
+
+
+def test_a_prompt_sharing_a_cached_prefix_gets_the_new_versions_numbers(
+    tmp_path: Path, trainer: LlamaForCausalLM, engines: tuple[VllmServer, list[VllmLlama]]
+) -> None:
+    from tests.sidecar.engine_servers import prefix_values
+
+    server, models = engines
+    store = str(tmp_path / "store")
+    sub = Subscriber(store, "r", target=VLLMTarget(LocalDirTarget(tmp_path / "local", run="r"), server.url))
+    opt = torch.optim.AdamW(trainer.parameters(), lr=1e-3)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5]
+    with Publisher(store, "r", keyframe_every=10) as pub:
+        pub.publish(trainer.state_dict())
+        sub.sync()
+        old = _completion(server, prompt)["choices"][0]["prompt_logprobs"]
+        assert server.caches[0].blocks  # the engine cached the prompt's blocks
+        train_step(trainer, opt)
+        pub.publish(trainer.state_dict())
+        sub.sync()
+    new = _completion(server, [*prompt, 7])["choices"][0]["prompt_logprobs"]
+    # Exactly what the new bits compute, not the cached old prefix (which differs).
+    assert new == prefix_values(models[0], [*prompt, 7])
+    assert new[: len(prompt)] != old
+    assert server.encoder_resets >= 1
+    # vLLM labels its outputs with Bulletin's version.
+    assert server.weight_versions == ["2"] and sub.target.engine_version() == "2"  # type: ignore[attr-defined]
+
+
+def test_the_engine_is_paused_while_bits_change_and_running_requests_end_as_aborted(
+    tmp_path: Path, trainer: LlamaForCausalLM, engines: tuple[VllmServer, list[VllmLlama]]
+) -> None:
+    import threading
+
+    server, _ = engines
+    store = str(tmp_path / "store")
+    sub = Subscriber(store, "r", target=VLLMTarget(LocalDirTarget(tmp_path / "local", run="r"), server.url))
+    opt = torch.optim.AdamW(trainer.parameters(), lr=1e-3)
+    with Publisher(store, "r", keyframe_every=10) as pub:
+        pub.publish(trainer.state_dict())
+        sub.sync()
+        answers: list[dict[str, Any]] = []
+        running = threading.Thread(target=lambda: answers.append(_completion(server, [1, 2], hold=True)))
+        running.start()  # a request that outlived the sidecar's drain
+        while not server.running:
+            pass
+        train_step(trainer, opt)
+        pub.publish(trainer.state_dict())
+        server.calls.clear()
+        sub.sync()
+        running.join(10)
+    assert answers[0]["choices"][0]["finish_reason"] == "abort"  # a clear signal, not a silent cut
+    paths = [p for _, p in server.calls]
+    assert paths.index("/pause") < paths.index("/collective_rpc") < paths.index("/resume")
+    assert paths.index("/reset_prefix_cache") < paths.index("/resume") and server.paused is None
+
+
+def test_every_data_parallel_engine_is_checked_not_only_the_first(tmp_path: Path, trainer: LlamaForCausalLM) -> None:
+    models = [VllmLlama(), VllmLlama()]
+    server = VllmServer(engines=[[extended_worker(models[0])], [extended_worker(models[1])]])
+    try:
+        store = str(tmp_path / "store")
+        local = LocalDirTarget(tmp_path / "local", run="r")
+        target = VLLMTarget(local, server.url)
+        sub = Subscriber(store, "r", target=target)
+        opt = torch.optim.AdamW(trainer.parameters(), lr=1e-3)
+        with Publisher(store, "r", keyframe_every=10) as pub:
+            pub.publish(trainer.state_dict())
+            sub.sync()
+            assert_holds(models[1], trainer)  # the second engine loaded too
+            with torch.no_grad():  # damage on the engine whose results vLLM does not return
+                models[1].layer(0).self_attn.qkv_proj.weight.add_(1)
+            found = target.full_fingerprints()
+            assert found != sub.held.fingerprints  # type: ignore[union-attr]
+            train_step(trainer, opt)
+            pub.publish(trainer.state_dict())
+            with pytest.raises(WrongBase):  # refused by engine 1, although only engine 0 answers
+                sub.sync()
+        assert sub.current_version == 1
+    finally:
+        server.close()
+
+
+def test_a_keyframe_is_read_back_from_the_engine_before_activation(
+    tmp_path: Path, trainer: LlamaForCausalLM, engines: tuple[VllmServer, list[VllmLlama]]
+) -> None:
+    server, _models = engines
+    store = str(tmp_path / "store")
+    sub = Subscriber(store, "r", target=VLLMTarget(LocalDirTarget(tmp_path / "local", run="r"), server.url))
+    worker = server.workers[1]
+    state = worker.bulletin_state()
+    real_bind = state.bind
+
+    def bind_then_lose_writes(specs: Any) -> None:
+        real_bind(specs)
+        target = state.target
+        assert target is not None
+        real_load = target.load_full
+
+        def load_but_one(tensors: Any, specs: Any) -> None:
+            real_load(tensors, specs)
+            with torch.no_grad():  # one element of this worker's copy did not land
+                target.tensors["model.norm.weight"].view(torch.int16)[0] += 1
+
+        target.load_full = load_but_one  # type: ignore[method-assign]
+
+    state.bind = bind_then_lose_writes
+    with Publisher(store, "r", keyframe_every=10) as pub:
+        pub.publish(trainer.state_dict())
+        with pytest.raises(VerificationFailed, match="holds other bits"):
+            sub.sync()
+    assert sub.current_version is None  # never activated
+
+
+def test_tensors_the_engine_does_not_serve_are_kept_in_the_folder_only(tmp_path: Path) -> None:
+    trainer = llama(CONFIG, 0)
+    # A rotary table and an MTP layer (index past the engine's last layer) in the checkpoint.
+    extra = {
+        "model.layers.0.self_attn.rotary_emb.inv_freq": torch.arange(4, dtype=torch.float32),
+        f"model.layers.{LAYERS}.eh_proj.weight": torch.ones(HIDDEN, 2 * HIDDEN),
+    }
+    models = [VllmLlama()]
+    server = VllmServer([extended_worker(m) for m in models])
+    try:
+        store = str(tmp_path / "store")
+        target = VLLMTarget(LocalDirTarget(tmp_path / "local", run="r"), server.url)
+        sub = Subscriber(store, "r", target=target)
+        with Publisher(store, "r", keyframe_every=10) as pub:
+            pub.publish({**trainer.state_dict(), **extra})
+            assert sub.sync() == 1
+            assert target.dropped == frozenset(extra)
+            assert_holds(models[0], trainer)
+            pub.publish({**trainer.state_dict(), **{n: t + 1 for n, t in extra.items()}})
+            assert sub.sync() == 2  # patched in the folder, not in the engine
+        assert sub.verify().ok
+        # Anything else the engine lacks is an incompatibility, named.
+        missing = {**trainer.state_dict(), "model.layers.0.mlp.extra.weight": torch.ones(2)}
+        with Publisher(store, "r2", keyframe_every=10) as pub:
+            pub.publish(missing)
+        other = VLLMTarget(LocalDirTarget(tmp_path / "local2", run="r2"), server.url)
+        with pytest.raises(IncompatibleTensors, match="extra"):
+            Subscriber(store, "r2", target=other).sync()
+    finally:
+        server.close()
+
+
+def test_engine_errors_bad_json_and_timeouts_are_clear(tmp_path: Path, engines: tuple[VllmServer, Any]) -> None:
+    import urllib.error
+    import urllib.request
+
+    server, _ = engines
+    req = urllib.request.Request(f"{server.url}/collective_rpc", data=b"{nope", method="POST")
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        urllib.request.urlopen(req, timeout=10)
+    assert caught.value.code == 400  # as vLLM answers a body that is not JSON
+    caught.value.close()
+    target = VLLMTarget(LocalDirTarget(tmp_path / "local"), server.url, timeout=0.05)
+    server.worker_delay = 1.0
+    with pytest.raises(EngineError, match="timed out"):
+        target.call("fingerprints", {})
+    server.worker_delay = 0.0
+    with pytest.raises(InvalidInput, match="specs must be a list"):  # a worker's error, by its code
+        target.call("abort", {"specs": "bad"})

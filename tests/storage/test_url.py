@@ -59,7 +59,7 @@ def test_s3_urls() -> None:
         ("", "non-empty"),
         ("   ", "non-empty"),
         ("ftp://host/path", "unsupported"),
-        ("gs://bucket", "unsupported"),
+        ("gs://bucket", "not installed"),  # gcsfs is no dependency
         ("s3:bucket", "malformed"),
         ("memory:name", "malformed"),
         ("file:relative", "malformed"),
