@@ -37,6 +37,7 @@ from bulletin.run import StoredManifest
 from bulletin.sources import Reader
 from bulletin.target import Held, WeightTarget
 from patcher.compression import CONTEXT_CODEC
+from patcher.context_decode import decode_changes
 from patcher.decode import decode_views, shard_views
 from patcher.fingerprint import fingerprint, format_fingerprint
 from patcher.fold import fold
@@ -275,16 +276,24 @@ def _decode_route(
     checked: Sequence[tuple[list[memoryview], list[ShardHeader], dict[str, TensorInfo]]],
     context: Mapping[str, NDArray[np.unsignedinteger]] | None,
     held_fps: Mapping[str, int],
+    resolver: WeightTarget | None = None,
 ) -> Patch:
     """The transitions of a route, decoded and folded into one patch. A context-coded one
     decodes against ``context`` (the bits held, whose record is ``held_fps``) read through
-    the fold of the transitions before it, which are not applied yet."""
+    the fold of the transitions before it, which are not applied yet; or, with a
+    ``resolver`` (a target that :attr:`~WeightTarget.resolves_context`), is entropy-decoded
+    here and resolved by the target against the bits where it holds them."""
     folded: Patch | None = None
     pending: list[Patch] = []
     for views, headers, infos in checked:
-        if pending and any(h.codec == CONTEXT_CODEC for h in headers):
+        coded = any(h.codec == CONTEXT_CODEC for h in headers)
+        if pending and coded:
             folded = fold([folded, *pending] if folded is not None else pending)
             pending = []
+        if resolver is not None and coded and all(h.codec == CONTEXT_CODEC for h in headers):
+            changes = [c for view, header in zip(views, headers, strict=True) for c in decode_changes(view, header)]
+            pending.append(resolver.resolve_context(changes, infos, held_fps, pending=folded))
+            continue
         pending.append(decode_views(views, headers, infos, base=context, base_fingerprints=held_fps, pending=folded))
     everything = [folded, *pending] if folded is not None else pending
     return fold(everything) if len(everything) > 1 else everything[0]
@@ -338,6 +347,7 @@ def execute(
         sync_plan.keyframe is None
         and held is not None
         and _context_coded(sync_plan.patches)
+        and not target.resolves_context
         and target.context_bits() is None
     ):
         # The patches decode against the bits held, which this target cannot show: start
@@ -411,7 +421,9 @@ def execute(
         t2 = time.perf_counter()
         _apply_and_activate(target, sync_plan.target, lambda: target.apply_shards(blobs, held_fps))
     else:
-        folded = _decode_route(checked, target.context_bits() or keyframe_bits, held_fps)
+        resolver = target if target.resolves_context else None
+        context = None if resolver is not None else target.context_bits() or keyframe_bits
+        folded = _decode_route(checked, context, held_fps, resolver)
         del checked
         report.decode_s = time.perf_counter() - t1
         report.transitions = len(sync_plan.patches)

@@ -14,6 +14,8 @@ that callers read instead of probing. In the order a Subscriber calls it::
     prepare(patch, fingerprints)  optional: check and precompute, reading only
     apply(patch, fingerprints)    -> new fingerprints; in place; restores on failure
     apply_shards(shards, fps)     the same from encoded shards (if supports_shards)
+    resolve_context(changes, ...) -> a context-coded transition's patch, resolved
+                                  against the bits where they live (if resolves_context)
     abort()                       undo a load or apply that will not be activated
     activate(version, *, manifest_digest=None)
                                   make it live and durable (engine reload, state file)
@@ -59,8 +61,10 @@ from bulletin.keyspace import check_run_name
 from patcher.apply import apply as apply_patch
 from patcher.apply_shards import apply_shards
 from patcher.compression import CONTEXT_CODEC
+from patcher.context_decode import CodedChanges
 from patcher.decode import decode, read_shard_header
 from patcher.fingerprint import fingerprint, format_fingerprint, parse_fingerprint
+from patcher.format import TensorInfo
 from patcher.patch import Patch, TensorSpec
 from schemas.common import parse_document
 from schemas.local_state import JournalV1, LocalStateV1
@@ -165,9 +169,34 @@ class WeightTarget(ABC):
     def context_bits(self) -> Mapping[str, Bits] | None:
         """Host arrays of the bits held now (read them only), by tensor name: the base that
         context-coded patches (docs/FORMAT.md 3.15) are decoded against. Default None, for
-        bits that live elsewhere (a GPU engine): sync then takes a keyframe route and
-        decodes against the keyframe's bits, which it downloaded."""
+        bits that live elsewhere (a GPU engine): sync then has the target resolve them
+        (:attr:`resolves_context`) or, failing that, takes a keyframe route and decodes
+        against the keyframe's bits, which it downloaded."""
         return None
+
+    @property
+    def resolves_context(self) -> bool:
+        """Whether :meth:`resolve_context` decodes context-coded transitions against the
+        bits held where they live (a GPU's memory), so that sync needs no host copy of
+        them (:meth:`context_bits`) and no keyframe route."""
+        return False
+
+    def resolve_context(
+        self,
+        changes: Sequence[CodedChanges],
+        tensors: Mapping[str, TensorInfo],
+        fingerprints: Mapping[str, int],
+        *,
+        pending: Patch | None = None,
+    ) -> Patch:
+        """The patch of one context-coded transition, by reading only: ``changes`` is the
+        entropy stage of every shard of it (``patcher.context_decode.decode_changes``),
+        ``tensors`` what its checked headers describe, ``fingerprints`` the verified
+        record of the bits held. ``pending`` is the fold of earlier transitions not yet
+        applied, read through as if it were (its base fingerprints are the record, its
+        targets this transition's bases). ``WrongBase`` before any bits are read when
+        the record is not the transition's base."""
+        raise InvalidInput(f"{type(self).__name__} cannot resolve context-coded changes (resolves_context is False)")
 
     @abstractmethod
     def full_fingerprints(self) -> dict[str, int]:

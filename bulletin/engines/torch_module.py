@@ -16,6 +16,11 @@ an update causes is proportional to the number of changed elements, not to the m
 
 Both paths produce the same bits and the same fingerprints (patcher.fingerprint).
 
+Context-coded patches (docs/FORMAT.md 3.15) decode against the bits where they live
+(:meth:`TorchTarget.resolve_context`): sync runs the entropy stage on the CPU, and each
+entry's ranks are resolved to indices by the tensor's backend (``select_ranks``: the
+CUDA kernel for a CUDA tensor, the NumPy twin for a CPU one), one code path for both.
+
 Tied weights (``lm_head.weight`` and ``model.embed_tokens.weight`` sharing storage)
 appear under several names in a module but are served once, under the name that
 sorts first, exactly as the trainer's snapshot (and safetensors' ``save_model``) drops
@@ -37,6 +42,7 @@ from numpy.typing import NDArray
 
 from bulletin.errors import (
     CorruptData,
+    FormatError,
     IncompatibleTensors,
     InvalidInput,
     UnsupportedDtype,
@@ -45,8 +51,11 @@ from bulletin.errors import (
 )
 from bulletin.target import Held, WeightTarget
 from kernels.dispatch import DTYPE_NAMES
+from patcher.context_decode import CodedChanges, needs_base
+from patcher.context_decode import resolve as entry_indices
 from patcher.fingerprint import fingerprint, format_fingerprint
 from patcher.fingerprint_update import fingerprint_change
+from patcher.format import TensorInfo
 from patcher.names import check_tensor_name
 from patcher.patch import Patch, TensorDelta, TensorSpec, check_names
 
@@ -286,6 +295,51 @@ class _Slot:
         with cupy.cuda.Device(self.device.index):
             return cupy.asarray(array)
 
+    def upload(self, array: NDArray[Any]) -> Any:
+        """``array`` where the tensor's backend reads it: the array itself for a CPU
+        tensor (C-contiguous), a copy on its GPU for a CUDA one."""
+        return np.ascontiguousarray(array) if self.on_cpu else self.to_device(array)
+
+    def download(self, array: Any) -> NDArray[Any]:
+        """An array the backend returned, on the host."""
+        if self.on_cpu:
+            return np.asarray(array)
+        import cupy
+
+        return cupy.asnumpy(array)  # type: ignore[no-any-return]
+
+    def resolve(self, changes: CodedChanges, step: TensorDelta | None) -> NDArray[np.int64]:
+        """The indices of one context-coded entry's changes (class-major, as ``changes``
+        orders them), resolved by the backend against the bits held, read through
+        ``step`` (earlier changes not yet applied) where given. Reads only."""
+        e = changes.entry
+        if not needs_base(e):
+            return entry_indices(changes, self.spec.dtype, None)  # one class: a rank is an offset
+        if self.on_cpu:
+            return self._select(changes, step)
+        import cupy
+
+        with cupy.cuda.Device(self.device.index):  # the copy below is made on the tensor's GPU
+            return self._select(changes, step)
+
+    def _select(self, changes: CodedChanges, step: TensorDelta | None) -> NDArray[np.int64]:
+        e = changes.entry
+        bits, start, stop = self.bits.reshape(-1), e.start, e.stop
+        if step is not None and step.changed:
+            lo, hi = (int(i) for i in np.searchsorted(step.indices, (e.start, e.stop)))
+            if hi > lo:
+                # The base as the earlier transitions leave it: a copy of the entry's range
+                # (on the tensor's device) with their changes added; the live bits stay.
+                bits, start, stop = bits[e.start : e.stop].copy(), 0, e.stop - e.start
+                self.backend.apply_delta(
+                    bits, self.upload(step.indices[lo:hi] - e.start), self.upload(step.delta[lo:hi])
+                )
+        found = self.backend.select_ranks(
+            bits, self.spec.dtype, changes.window, start, stop, self.upload(changes.classes), self.upload(changes.ranks)
+        )
+        indices: NDArray[np.int64] = self.download(found).astype(np.int64, copy=False)
+        return indices + (e.start - start) if start != e.start else indices
+
     def fingerprint(self) -> int:
         return self.backend.fingerprint(self.bits)
 
@@ -447,12 +501,45 @@ class TorchTarget(WeightTarget):
         # Live tensors hold whatever the process loaded; nothing is known to be verified.
         return None
 
-    def context_bits(self) -> Mapping[str, Bits] | None:
-        # CPU tensors are shown as they are (zero-copy views); a CUDA tensor's bits are not
-        # on the host, so context-coded patches then come by a keyframe route.
-        if not all(slot.on_cpu for slot in self._slots.values()):
-            return None
-        return {name: slot.bits for name, slot in self._slots.items()}
+    @property
+    def resolves_context(self) -> bool:
+        # Context-coded patches are resolved where the bits live (resolve_context), CPU
+        # and CUDA tensors alike; context_bits stays None: nothing is copied to the host.
+        return True
+
+    def resolve_context(
+        self,
+        changes: Sequence[CodedChanges],
+        tensors: Mapping[str, TensorInfo],
+        fingerprints: Mapping[str, int],
+        *,
+        pending: Patch | None = None,
+    ) -> Patch:
+        """One context-coded transition's patch, resolved against the live bits by each
+        tensor's backend (see :class:`~bulletin.target.WeightTarget`). Reads only, and
+        runs before :meth:`prepare` (outside the sidecar's gate); what it returns is
+        applied as any patch is, with every fingerprint checked again."""
+        _check_same_layout({name: info.spec for name, info in tensors.items()}, self._specs)
+        steps: Mapping[str, TensorDelta] = pending.tensors if pending is not None else {}
+        _check_context_base(changes, tensors, fingerprints, steps)
+        found: dict[str, list[tuple[int, NDArray[np.int64], Bits]]] = {name: [] for name in tensors}
+        for ch in changes:
+            e = ch.entry
+            if e.count == 0:
+                continue
+            indices = self._slots[e.tensor].resolve(ch, steps.get(e.tensor))
+            order = np.argsort(indices, kind="stable")
+            found[e.tensor].append((e.start, indices[order], ch.delta[order]))
+        out: dict[str, TensorDelta] = {}
+        for name, info in tensors.items():
+            parts = sorted(found[name], key=lambda part: part[0])
+            n = sum(part[1].size for part in parts)
+            if n != info.changed:
+                raise FormatError(f"{name}: entries hold {n} changes, the tensor says {info.changed}")
+            indices = np.concatenate([p[1] for p in parts]) if parts else np.empty(0, np.int64)
+            delta = np.concatenate([p[2] for p in parts]) if parts else np.empty(0, info.spec.bits_dtype)
+            out[name] = TensorDelta(info.spec, indices, delta, info.base_fingerprint, info.target_fingerprint)
+        return Patch(out)
 
     def load_full(self, tensors: Mapping[str, Bits], specs: Mapping[str, TensorSpec]) -> None:
         """Overwrite every tensor with ``tensors`` (bits arrays); checks everything first."""
@@ -556,6 +643,37 @@ class TorchTarget(WeightTarget):
         self.manifest_digest = manifest_digest
         if self._on_activate is not None:
             self._on_activate(version)
+
+
+def _check_context_base(
+    changes: Sequence[CodedChanges],
+    tensors: Mapping[str, TensorInfo],
+    fingerprints: Mapping[str, int],
+    steps: Mapping[str, TensorDelta],
+) -> None:
+    """The record of the bits held is the base of every entry that reads it (through the
+    earlier changes ``steps`` where a tensor has some): ``WrongBase`` before any bits are read."""
+    strays = [ch.what for ch in changes if ch.entry.tensor not in tensors]
+    if strays:
+        raise InvalidInput(f"{strays[0]}: an entry of a tensor the transition does not describe")
+    wrong: list[str] = []
+    for name in sorted({ch.entry.tensor for ch in changes if needs_base(ch.entry)}):
+        want = tensors[name].base_fingerprint
+        step = steps.get(name)
+        if step is not None:
+            if step.target_fingerprint != want:
+                wrong.append(name)
+                continue
+            want = step.base_fingerprint
+        if fingerprints.get(name) != want:
+            wrong.append(name)
+    if wrong:
+        held = fingerprints.get(wrong[0])
+        raise WrongBase(
+            f"{wrong[0]}: the patch was coded against base {format_fingerprint(tensors[wrong[0]].base_fingerprint)}, "
+            f"the engine holds {'nothing known' if held is None else format_fingerprint(held)}"
+            + (f"; {len(wrong)} tensors differ" if len(wrong) > 1 else "")
+        )
 
 
 def _check_same_layout(given: Mapping[str, TensorSpec], held: Mapping[str, TensorSpec]) -> None:

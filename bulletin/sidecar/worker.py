@@ -57,6 +57,8 @@ from bulletin.target import Held, WeightTarget
 
 if TYPE_CHECKING:
     from bulletin.subscriber import VerifyReport
+    from patcher.context_decode import CodedChanges
+    from patcher.format import TensorInfo
     from patcher.patch import Patch, TensorSpec
 
 __all__ = ["PERMANENT_ERRORS", "GateBridge", "GatedTarget", "SubscriberLike", "SyncStatus", "SyncWorker"]
@@ -214,6 +216,20 @@ class GatedTarget(WeightTarget):
 
     def context_bits(self) -> Mapping[str, Bits] | None:
         return self.inner.context_bits()  # only read: no pause needed
+
+    @property
+    def resolves_context(self) -> bool:
+        return self.inner.resolves_context
+
+    def resolve_context(
+        self,
+        changes: Sequence[CodedChanges],
+        tensors: Mapping[str, TensorInfo],
+        fingerprints: Mapping[str, int],
+        *,
+        pending: Patch | None = None,
+    ) -> Patch:
+        return self.inner.resolve_context(changes, tensors, fingerprints, pending=pending)  # only reads
 
     def load_full(self, tensors: Mapping[str, Bits], specs: Mapping[str, TensorSpec]) -> None:
         if self.in_place:
