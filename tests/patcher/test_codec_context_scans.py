@@ -149,9 +149,8 @@ def test_a_rank_past_its_class_is_a_format_error(dtype: str) -> None:
         select_ranks(base, "U8", ClassWindow(0, 1), 0, 500, np.array([0], np.uint8), np.array([500], np.int64))
 
 
+@pytest.mark.compiled_vs_numpy  # the compiled path's own checks: once, on that path
 def test_the_compiled_scans_check_their_buffers() -> None:
-    if not native.active():
-        pytest.skip("the compiled path is not built")
     s = native.speedups
     base = np.zeros(100, np.uint16)
     empty_idx, empty_val = np.empty(0, np.int64), np.empty(0, np.uint16)
