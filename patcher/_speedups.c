@@ -1086,9 +1086,26 @@ static inline void rc_bit(RcEnc *e, Ctx *c, int bit) {
 }
 
 static inline void rc_direct(RcEnc *e, uint64_t value, int count) {
-    for (int k = count - 1; k >= 0; k--) {
+    while (count > 0) {
+        /* The bits before the range next needs normalising, at once: each halves the
+         * range and adds it to low for a 1, with no test in between (the same sums). */
+        const int room = 32 - __builtin_clz(e->range) - 25;
+        if (room > 0) {
+            const int stop = count > room ? count - room : 0;
+            uint32_t r = e->range;
+            uint64_t add = 0;
+            for (int k = count - 1; k >= stop; k--) {
+                r >>= 1;
+                add += r & (0U - (uint32_t)((value >> k) & 1));
+            }
+            e->low += add;
+            e->range = r;
+            count = stop;
+            continue;
+        }
+        count--;
         e->range >>= 1;
-        if ((value >> k) & 1) e->low += e->range;
+        if ((value >> count) & 1) e->low += e->range;
         while (e->range < RC_TOP) {
             e->range <<= 8;
             rc_shift_low(e);
@@ -1672,6 +1689,114 @@ BLOCK_TARGET static void ranks_blocks(const Classes *k, int lo, int nclasses, co
     }
 }
 
+/* The encoder's rank pass with AVX2 (ranks_blocks' results, without its 16 masks and
+ * popcounts a block): each element's class byte looks up a one-hot nibble (vpshufb), two
+ * classes a byte lane, summed vertically; every 7 blocks (before a nibble can overflow)
+ * the nibbles go into 64-bit sums (vpsadbw), and a class's lanes are summed only where a
+ * change asks for its rank. Full blocks only: the last, partial one (the range ends at
+ * the last change) is counted element by element. */
+__attribute__((target("avx2,popcnt"))) static inline __m256i class_bytes_avx2(const unsigned char *p, __m128i count,
+                                                                            __m256i emask, __m256i vlo,
+                                                                            __m256i vtop) {
+    __m256i a = _mm256_loadu_si256((const __m256i *)p);
+    __m256i b = _mm256_loadu_si256((const __m256i *)(p + 32));
+    a = _mm256_and_si256(_mm256_srl_epi16(a, count), emask);
+    b = _mm256_and_si256(_mm256_srl_epi16(b, count), emask);
+    const __m256i e = _mm256_permute4x64_epi64(_mm256_packus_epi16(a, b), 0xD8);
+    return _mm256_min_epu8(_mm256_subs_epu8(e, vlo), vtop);
+}
+
+__attribute__((target("avx2,popcnt"))) static inline uint64_t lanes_sum_avx2(__m256i v) {
+    const __m256i s = _mm256_sad_epu8(v, _mm256_setzero_si256());
+    const __m128i t = _mm_add_epi64(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    return (uint64_t)_mm_cvtsi128_si64(_mm_add_epi64(t, _mm_unpackhi_epi64(t, t)));
+}
+
+__attribute__((target("avx2,popcnt"))) static void ranks_avx2(const Classes *k, int lo, int nclasses,
+                                                              const unsigned char *base, int64_t start,
+                                                              const int64_t *idx, Py_ssize_t n,
+                                                              unsigned char *cls_out, int64_t *rank_out) {
+    if (n == 0) return;
+    const int top = nclasses - 1;
+    const int64_t end = idx[n - 1] + 1;
+    const __m128i count = _mm_cvtsi32_si128(k->shift);
+    const __m256i emask = _mm256_set1_epi16((short)k->emask);
+    const __m256i vlo = _mm256_set1_epi8((char)lo), vtop = _mm256_set1_epi8((char)top);
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    /* Classes 2g and 2g + 1 share a byte lane of nib[g], as its two nibbles: table[g]
+     * maps a class to 1, 16 or 0 (vpshufb). A lane gains at most 2 a block, so the
+     * nibbles are summed into wide (four 64-bit sums a class) every 7 blocks. */
+    __m256i table[CTX_MAX_CLASSES / 2], nib[CTX_MAX_CLASSES / 2], wide[CTX_MAX_CLASSES];
+    for (int g = 0; g < CTX_MAX_CLASSES / 2; g++) {
+        unsigned char t[16] = {0};
+        t[2 * g] = 1;
+        t[2 * g + 1] = 16;
+        table[g] = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)t));
+        nib[g] = _mm256_setzero_si256();
+    }
+    for (int c = 0; c < CTX_MAX_CLASSES; c++) wide[c] = _mm256_setzero_si256();
+    int since = 0;
+    Py_ssize_t j = 0;
+    int64_t i = start;
+    for (; i + 64 <= end; i += 64) {
+        const unsigned char *p = base + 2 * i;
+        const __m256i c0 = class_bytes_avx2(p, count, emask, vlo, vtop);
+        const __m256i c1 = class_bytes_avx2(p + 64, count, emask, vlo, vtop);
+        if (idx[j] < i + 64) {
+            unsigned char cb[64];
+            __m256i saved[CTX_MAX_CLASSES / 2];
+            _mm256_storeu_si256((__m256i *)cb, c0);
+            _mm256_storeu_si256((__m256i *)(cb + 32), c1);
+            for (int g = 0; g < CTX_MAX_CLASSES / 2; g++) _mm256_storeu_si256(&saved[g], nib[g]);
+            do {
+                const int off = (int)(idx[j] - i);
+                const int c = cb[off];
+                const __m256i want = _mm256_set1_epi8((char)c);
+                const uint64_t m = (uint64_t)(uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(c0, want)) |
+                                   (uint64_t)(uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(c1, want)) << 32;
+                const __m256i v = _mm256_loadu_si256(&saved[c >> 1]);
+                const __m256i part = _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(4 * (c & 1))), low4);
+                const __m256i sums = _mm256_add_epi64(_mm256_sad_epu8(part, _mm256_setzero_si256()), wide[c]);
+                const __m128i t = _mm_add_epi64(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
+                cls_out[j] = (unsigned char)c;
+                rank_out[j] = (int64_t)((uint64_t)_mm_cvtsi128_si64(_mm_add_epi64(t, _mm_unpackhi_epi64(t, t))) +
+                                        (uint64_t)__builtin_popcountll(m & ((1ULL << off) - 1)));
+            } while (++j < n && idx[j] < i + 64);
+        }
+        for (int g = 0; g < CTX_MAX_CLASSES / 2; g++)
+            nib[g] = _mm256_add_epi8(
+                nib[g], _mm256_add_epi8(_mm256_shuffle_epi8(table[g], c0), _mm256_shuffle_epi8(table[g], c1)));
+        if (++since == 7) {
+            for (int g = 0; g < CTX_MAX_CLASSES / 2; g++) {
+                const __m256i lo_n = _mm256_and_si256(nib[g], low4);
+                const __m256i hi_n = _mm256_and_si256(_mm256_srli_epi16(nib[g], 4), low4);
+                wide[2 * g] = _mm256_add_epi64(wide[2 * g], _mm256_sad_epu8(lo_n, _mm256_setzero_si256()));
+                wide[2 * g + 1] = _mm256_add_epi64(wide[2 * g + 1], _mm256_sad_epu8(hi_n, _mm256_setzero_si256()));
+                nib[g] = _mm256_setzero_si256();
+            }
+            since = 0;
+        }
+    }
+    if (j == n) return;
+    uint64_t totals[CTX_MAX_CLASSES];
+    for (int g = 0; g < CTX_MAX_CLASSES / 2; g++) {
+        totals[2 * g] = lanes_sum_avx2(_mm256_and_si256(nib[g], low4));
+        totals[2 * g + 1] = lanes_sum_avx2(_mm256_and_si256(_mm256_srli_epi16(nib[g], 4), low4));
+    }
+    for (int c = 0; c < CTX_MAX_CLASSES; c++) {
+        const __m128i t = _mm_add_epi64(_mm256_castsi256_si128(wide[c]), _mm256_extracti128_si256(wide[c], 1));
+        totals[c] += (uint64_t)_mm_cvtsi128_si64(_mm_add_epi64(t, _mm_unpackhi_epi64(t, t)));
+    }
+    for (; i < end; i++) {
+        const int c = k->cls[(load(base + 2 * i, 2) >> k->shift) & k->emask];
+        if (i == idx[j]) {
+            cls_out[j] = (unsigned char)c;
+            rank_out[j++] = (int64_t)totals[c];
+        }
+        totals[c]++;
+    }
+}
+
 /* The decoder's block scan: rem[c] is how many members of class c to pass before its
  * next target (UINT64_MAX once it has none). `found(i, p)` gets each change. */
 typedef struct {
@@ -1805,7 +1930,9 @@ static PyObject *py_ctx_ranks(PyObject *self, PyObject *args) {
         if (classes_init(k, width, shift, ebits, lo, nclasses) < 0) goto done;
         Py_BEGIN_ALLOW_THREADS;
 #ifdef CTX_BLOCKS
-        if (blocks_usable(k))
+        if (blocks_usable(k) && __builtin_cpu_supports("avx2"))
+            ranks_avx2(k, (int)lo, nclasses, b[0].buf, start, idx, n, b[2].buf, b[3].buf);
+        else if (blocks_usable(k))
             ranks_blocks(k, (int)lo, nclasses, b[0].buf, start, idx, n, b[2].buf, b[3].buf);
         else
 #endif
@@ -2094,40 +2221,65 @@ done:
 }
 
 PyDoc_STRVAR(ctx_histogram_doc,
-             "ctx_histogram(base, width, shift, ebits, start, stop, stride, run, counts_out)\n\n"
-             "Add to counts_out (int64, 2**ebits) the exponent of the first `run` elements of every\n"
-             "`stride` of base[start:stop] (patcher.context.choose_window's sample).");
+             "ctx_histogram(base, width, shift, ebits, start, stop, stride, run, counts_out, indices,\n"
+             "              changed_out)\n\n"
+             "patcher.context.choose_window's histograms: add to counts_out (int64, 2**ebits) the\n"
+             "exponent of the first `run` elements of every `stride` of base[start:stop] (its sample),\n"
+             "and to changed_out (the same) that of base[i] for every i of indices (int64, in range).");
 
 static PyObject *py_ctx_histogram(PyObject *self, PyObject *args) {
-    Py_buffer b[2] = {{0}};
+    Py_buffer b[4] = {{0}};
     int width, shift, ebits;
     long long start, stop, step, run;
-    if (!PyArg_ParseTuple(args, "y*iiiLLLLw*", &b[0], &width, &shift, &ebits, &start, &stop, &step, &run, &b[1])) {
-        release(b, 2);
+    if (!PyArg_ParseTuple(args, "y*iiiLLLLw*y*w*", &b[0], &width, &shift, &ebits, &start, &stop, &step, &run, &b[1],
+                          &b[2], &b[3])) {
+        release(b, 4);
         return NULL;
     }
     PyObject *result = NULL;
-    Py_ssize_t numel;
-    if (check_width(width) < 0 || (numel = items(&b[0], width, "base")) < 0) goto done;
+    Py_ssize_t numel, n;
+    if (check_width(width) < 0 || (numel = items(&b[0], width, "base")) < 0 || (n = items(&b[2], 8, "indices")) < 0)
+        goto done;
     if (ebits < 1 || ebits > 11 || shift < 0 || shift + ebits > 8 * width || start < 0 || stop < start ||
-        stop > numel || step < 1 || run < 1 || run > step || check_len(&b[1], 1 << ebits, 8, "counts_out") < 0) {
+        stop > numel || step < 1 || run < 1 || run > step || check_len(&b[1], 1 << ebits, 8, "counts_out") < 0 ||
+        check_len(&b[3], 1 << ebits, 8, "changed_out") < 0) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "histogram arguments out of range");
         goto done;
     }
     {
         const unsigned char *base = b[0].buf;
-        int64_t *counts = b[1].buf;
+        const int64_t *idx = b[2].buf;
+        int64_t *counts = b[1].buf, *changed = b[3].buf;
         const uint64_t emask = (1ULL << ebits) - 1;
+        for (Py_ssize_t j = 0; j < n; j++) {
+            if (idx[j] < 0 || idx[j] >= numel) {
+                PyErr_SetString(PyExc_ValueError, "indices must be within the base");
+                goto done;
+            }
+        }
         Py_BEGIN_ALLOW_THREADS;
+        /* Both reads are sparse (runs 'stride' apart, changes hundreds of elements apart),
+         * which no hardware prefetcher follows: ask for the reads well ahead, so they
+         * overlap instead of each waiting on memory. */
+        const int64_t ahead = 16 * step;
         for (int64_t i = start; i < stop; i += step) {
+            if (i + ahead < stop) {
+                const unsigned char *q = base + (i + ahead) * width;
+                for (int64_t off = 0; off < run * width; off += 64) __builtin_prefetch(q + off);
+            }
             const int64_t end = stop - i < run ? stop : i + run;
             for (int64_t j = i; j < end; j++) counts[(load(base + j * width, width) >> shift) & emask]++;
+        }
+        enum { AHEAD = 32 };
+        for (Py_ssize_t j = 0; j < n; j++) {
+            if (j + AHEAD < n) __builtin_prefetch(base + idx[j + AHEAD] * width);
+            changed[(load(base + idx[j] * width, width) >> shift) & emask]++;
         }
         Py_END_ALLOW_THREADS;
         result = Py_NewRef(Py_None);
     }
 done:
-    release(b, 2);
+    release(b, 4);
     return result;
 }
 

@@ -100,5 +100,16 @@ def ctx_apply(
     /,
 ) -> tuple[int, int, bool]: ...
 def ctx_histogram(
-    base: In, width: int, shift: int, ebits: int, start: int, stop: int, stride: int, run: int, counts_out: Out, /
+    base: In,
+    width: int,
+    shift: int,
+    ebits: int,
+    start: int,
+    stop: int,
+    stride: int,
+    run: int,
+    counts_out: Out,
+    indices: In,
+    changed_out: Out,
+    /,
 ) -> None: ...

@@ -287,18 +287,19 @@ def choose_window(
     # A sample estimates the range's histogram: the choice needs proportions, not
     # counts, and this keeps it off the encoder's O(model) budget.
     members = np.zeros(size, dtype=_I64)
+    changed = np.zeros(size, dtype=_I64)
     if native.active() and flat.flags.c_contiguous:
         shift, _ = EXPONENT_FIELDS[dtype]
         native.speedups.ctx_histogram(
-            flat, flat.dtype.itemsize, shift, width, start, stop, WINDOW_STRIDE, WINDOW_RUN, members
+            flat, flat.dtype.itemsize, shift, width, start, stop, WINDOW_STRIDE, WINDOW_RUN, members, indices, changed
         )
     else:
         for lo in range(start, stop, CHUNK):
             chunk = flat[lo : min(lo + CHUNK, stop)]
             runs = [chunk[k : k + WINDOW_RUN] for k in range(0, chunk.size, WINDOW_STRIDE)]
             members += np.bincount(exponents(np.concatenate(runs), dtype), minlength=size)
+        changed += np.bincount(exponents(flat[indices], dtype), minlength=size)
     members *= WINDOW_STRIDE // WINDOW_RUN
-    changed = np.bincount(exponents(flat[indices], dtype), minlength=size)
     members = np.maximum(members, changed)
     present = np.flatnonzero(members)
     e_min, e_max = int(present[0]), int(present[-1])
