@@ -45,13 +45,20 @@ MAX_HEAD_AGE_ENV: Final = "BULLETIN_MAX_HEAD_AGE"
 SIGNING_KEY_FILE_ENV: Final = "BULLETIN_SIGNING_KEY_FILE"
 
 
+#: What --store takes (bulletin/storage/url.py has the whole table).
+_STORE_URLS: Final = (
+    "Local directory, file://, s3://bucket/prefix, memory://name, or an fsspec URL "
+    "(https://..., gs://..., az://..., hf://..., fsspec+<protocol>://...; read-only unless fsspec+s3://)"
+)
+
+
 def store_options(func: F) -> F:
     """``--store`` (or $BULLETIN_STORE) and ``--run`` (or $BULLETIN_RUN), passed as ``store`` and ``run``."""
     store = click.option(
         "--store",
         envvar=STORE_ENV,
         required=True,
-        help=f"Local directory, file://, s3://bucket/prefix or memory://name [env: {STORE_ENV}].",
+        help=f"{_STORE_URLS} [env: {STORE_ENV}].",
     )
     run = click.option("--run", envvar=RUN_ENV, required=True, help=f"Run name inside the store [env: {RUN_ENV}].")
     return store(run(func))
@@ -66,7 +73,7 @@ def stores_options(func: F) -> F:
         envvar=STORE_ENV,
         required=True,
         multiple=True,
-        help="Local directory, file://, s3://bucket/prefix or memory://name; repeat it for copies of the run "
+        help=f"{_STORE_URLS}; repeat it for copies of the run "
         f"(a mirror first, the origin last): read in that order, with fallback [env: {STORE_ENV}].",
     )
     run = click.option("--run", envvar=RUN_ENV, required=True, help=f"Run name inside the store [env: {RUN_ENV}].")
