@@ -1589,6 +1589,14 @@ typedef struct {
     uint64_t m[CTX_MAX_CLASSES];
 } Masks;
 
+/* Each class's member mask from the four bit planes of 64 clipped class ids. */
+static inline void planes_to_masks(const uint64_t plane[4], uint64_t valid, int top, Masks *out) {
+    const uint64_t low[4] = {~plane[0] & ~plane[1], plane[0] & ~plane[1], ~plane[0] & plane[1], plane[0] & plane[1]};
+    const uint64_t high[4] = {~plane[2] & ~plane[3] & valid, plane[2] & ~plane[3] & valid,
+                              ~plane[2] & plane[3] & valid, plane[2] & plane[3] & valid};
+    for (int c = 0; c <= top; c++) out->m[c] = low[c & 3] & high[c >> 2];
+}
+
 /* The members of each class among 64 2-byte elements at p (`valid` of them count). */
 BLOCK_TARGET static inline void block_masks(const Classes *k, int lo, int top, const unsigned char *p,
                                             uint64_t valid, Masks *out) {
@@ -1607,10 +1615,7 @@ BLOCK_TARGET static inline void block_masks(const Classes *k, int lo, int top, c
         plane[2] |= (uint64_t)(uint16_t)_mm_movemask_epi8(_mm_slli_epi16(c, 5)) << (16 * q);
         plane[3] |= (uint64_t)(uint16_t)_mm_movemask_epi8(_mm_slli_epi16(c, 4)) << (16 * q);
     }
-    const uint64_t low[4] = {~plane[0] & ~plane[1], plane[0] & ~plane[1], ~plane[0] & plane[1], plane[0] & plane[1]};
-    const uint64_t high[4] = {~plane[2] & ~plane[3] & valid, plane[2] & ~plane[3] & valid,
-                              ~plane[2] & plane[3] & valid, plane[2] & plane[3] & valid};
-    for (int c = 0; c <= top; c++) out->m[c] = low[c & 3] & high[c >> 2];
+    planes_to_masks(plane, valid, top, out);
 }
 
 /* block_masks with AVX2: half the instructions (32 elements a vector). */
@@ -1634,10 +1639,7 @@ __attribute__((target("avx2,popcnt"))) static void block_masks_avx2(const Classe
         plane[2] |= (uint64_t)(uint32_t)_mm256_movemask_epi8(_mm256_slli_epi16(c, 5)) << (32 * q);
         plane[3] |= (uint64_t)(uint32_t)_mm256_movemask_epi8(_mm256_slli_epi16(c, 4)) << (32 * q);
     }
-    const uint64_t low[4] = {~plane[0] & ~plane[1], plane[0] & ~plane[1], ~plane[0] & plane[1], plane[0] & plane[1]};
-    const uint64_t high[4] = {~plane[2] & ~plane[3] & valid, plane[2] & ~plane[3] & valid,
-                              ~plane[2] & plane[3] & valid, plane[2] & plane[3] & valid};
-    for (int c = 0; c <= top; c++) out->m[c] = low[c & 3] & high[c >> 2];
+    planes_to_masks(plane, valid, top, out);
 }
 
 typedef void (*MasksFn)(const Classes *, int, int, const unsigned char *, uint64_t, Masks *);
