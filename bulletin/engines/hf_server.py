@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from aiohttp import web
 
+from bulletin.engines.detokenize import IncrementalText
 from bulletin.errors import InvalidInput
 
 if TYPE_CHECKING:
@@ -383,27 +384,25 @@ class CompletionServer:
 
         task = asyncio.ensure_future(asyncio.to_thread(self._generate, req, prompt, generator, epoch, on_token))
         task.add_done_callback(lambda _: loop.call_soon(queue.put_nowait, None))
-        tokens: list[int] = []
-        sent = ""
+        text = self._incremental(req)
         try:
             while (item := await queue.get()) is not None:
                 token, lp, alts = item
-                tokens.append(token)
-                text, stopped = self._text(req, tokens)
-                if stopped:
+                piece = text.add(token) if text is not None else ""
+                if text is not None and text.stopped:
                     closed.set()
-                piece, sent = text[len(sent) :], text
                 delta = Completion([token], [lp], [alts], "")
                 await send({"choices": [self._chunk_choice(req, index, delta, piece)]})
-                if stopped:
+                if text is not None and text.stopped:
                     break
         finally:
             # Keep the slot until the model is free again, even if the client left.
             closed.set()
             completion = await task
-        _, stopped = self._text(req, tokens)
+        stopped = text is not None and text.stopped
         final = Completion(finish_reason="stop" if stopped else completion.finish_reason)
-        await send({"choices": [self._chunk_choice(req, index, final, "")]})
+        rest = text.finish() if text is not None else ""  # what was held back for stop strings
+        await send({"choices": [self._chunk_choice(req, index, final, rest)]})
 
     # -- generation ----------------------------------------------------------------------
 
@@ -423,16 +422,18 @@ class CompletionServer:
         epoch: int,
         on_token: OnToken | None,
     ) -> Completion:
-        tokens: list[int] = []
+        text = self._incremental(req) if req.stop else None
 
         def step() -> Any:
             return _Step(self, epoch)
 
         def watch(token: int, lp: float, alts: dict[int, float]) -> bool:
-            tokens.append(token)
             if on_token is not None and not on_token(token, lp, alts):
                 return False
-            return not (req.stop and self._text(req, tokens)[1])
+            if text is None:
+                return True
+            text.add(token)
+            return not text.stopped
 
         completion = generate(
             self.model,
@@ -445,9 +446,13 @@ class CompletionServer:
             on_token=watch,
             step=step,
         )
-        if req.stop and self._text(req, completion.token_ids)[1]:
+        if text is not None and text.stopped:
             completion.finish_reason = "stop"
         return completion
+
+    def _incremental(self, req: _Request) -> IncrementalText | None:
+        """A decoder of one generation's text as it grows (linear time; None without a tokenizer)."""
+        return None if self.tokenizer is None else IncrementalText(self.tokenizer, req.stop)
 
     def _text(self, req: _Request, tokens: list[int]) -> tuple[str, bool]:
         """The decoded text of ``tokens``, cut before the first stop string, and whether
@@ -490,7 +495,7 @@ class CompletionServer:
             "finish_reason": completion.finish_reason or None,
         }
         if req.chat:
-            choice["delta"] = {"content": text} if completion.token_ids else {}
+            choice["delta"] = {"content": text} if completion.token_ids or text else {}
         else:
             choice["text"] = text
         if req.logprobs is not None and completion.token_ids:

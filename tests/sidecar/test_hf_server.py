@@ -242,6 +242,24 @@ def test_text_prompts_stop_strings_and_chat_use_the_tokenizer() -> None:
     assert "".join(deltas) == reply["message"]["content"]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
+    full = tokenizer.decode(free.token_ids, skip_special_tokens=True)
+    two_words = f"{words[2]} {words[3]}"  # a stop string that ends one token after it starts
+
+    async def stream_cut() -> str:
+        body = {"prompt": prompt, "max_tokens": 8, "stop": [two_words], "stream": True}
+        async with (
+            TestClient(TestServer(server.create_app())) as client,
+            client.post("/v1/completions", data=json.dumps(body)) as resp,
+        ):
+            return (await resp.read()).decode()
+
+    # Streamed with stop strings: text is held back until no stop can start in it, so
+    # the pieces add up to the same cut text, never to a shown-then-withdrawn prefix.
+    events = [e.removeprefix("data: ") for e in asyncio.run(stream_cut()).split("\n\n") if e]
+    pieces = [json.loads(e)["choices"][0] for e in events[:-1]]
+    assert "".join(p["text"] for p in pieces) == full.split(two_words)[0]
+    assert pieces[-1]["finish_reason"] == "stop"
+
 
 def test_a_preempted_generation_ends_with_a_clear_signal() -> None:
     import threading
