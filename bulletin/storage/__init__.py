@@ -8,6 +8,8 @@
   :class:`FsspecStore`, :class:`HttpStore` (read-only) and :class:`S3fsStore` over fsspec.
 - :func:`require_writable`: ``StoreNotWritable`` unless a store takes writes.
 - :func:`get_many`, :func:`put_many_if_absent`: parallel bulk transfers over any store.
+- ``Store.put_file_if_absent`` / ``Store.get_to_file`` (:class:`Downloaded`): objects of any
+  size to and from local files, streamed (S3: multipart uploads, parallel ranged reads).
 
 Lost races are return values (:class:`Updated` / :class:`Conflicted`), never
 exceptions; everything else raises from :mod:`bulletin.errors`. ``S3Store``,
@@ -21,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from bulletin.storage.base import (
     Conflicted,
+    Downloaded,
     ObjectData,
     ObjectInfo,
     Store,
@@ -45,6 +48,7 @@ __all__ = [
     "DEFAULT_WORKERS",
     "MAX_KEY_BYTES",
     "Conflicted",
+    "Downloaded",
     "FsspecStore",
     "HttpStore",
     "LocalStore",

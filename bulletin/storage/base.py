@@ -9,6 +9,12 @@ knows how large the object may be) and writes, plus two conditional writes:
 - ``put_if_match`` (compare-and-swap, HTTP ``If-Match: <etag>``): succeeds only
   while the object still carries ``etag``.
 
+Objects too large to hold in memory (keyframe files of many GB) move between a store
+and local files in bounded memory, streamed: ``put_file_if_absent`` (create-only, as
+``put_if_absent``; S3 sends it as a multipart upload above the store's threshold) and
+``get_to_file`` (the object written to a temp file beside the target, SHA-256 computed
+as it streams, renamed into place only once complete and verified).
+
 A lost race is an ordinary return value (``Conflicted``), never an exception.
 Everything else that goes wrong is raised from :mod:`bulletin.errors`:
 ``NotFound`` for a missing key, ``InvalidInput`` for a bad key or argument,
@@ -24,6 +30,7 @@ identical bytes may share one where the backend derives ETags from content (S3).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
@@ -34,6 +41,7 @@ from bulletin.storage.keys import check_etag, check_max_bytes
 
 __all__ = [
     "Conflicted",
+    "Downloaded",
     "ObjectData",
     "ObjectInfo",
     "Store",
@@ -84,6 +92,16 @@ class Conflicted:
 
 
 WriteResult: TypeAlias = Updated | Conflicted
+
+
+@dataclass(frozen=True, slots=True)
+class Downloaded:
+    """What :meth:`Store.get_to_file` wrote: the object's size, its ETag, and the SHA-256
+    (lowercase hex) of exactly the bytes now in the file."""
+
+    size: int
+    etag: str
+    sha256: str
 
 
 @runtime_checkable
@@ -145,6 +163,45 @@ class Store(Protocol):
         """Replace the object only while it carries ``etag`` (compare-and-swap).
 
         ``Conflicted`` when the object changed since ``etag`` was read, or is absent.
+        """
+        ...
+
+    def put_file_if_absent(self, key: str, path: str | os.PathLike[str]) -> WriteResult:
+        """Create the object from the bytes of the local file ``path`` unless the key exists:
+        :meth:`put_if_absent` for a file of any size, read in bounded memory.
+
+        Atomic as ``put_if_absent`` (exactly one winner; readers never see part of it):
+        the local store copies the file to a temp file and links it into place, S3 sends
+        one ``PutObject`` up to the store's multipart threshold and a multipart upload
+        above it (parts in parallel, each with its checksum, completed with
+        ``If-None-Match: *``; aborted on any failure). A missing ``path``, or one that is
+        not a regular file, is ``InvalidInput``; a file that shrinks while it is read
+        is refused (``InvalidInput``) and nothing is created. The file must not change
+        while it is sent.
+        """
+        ...
+
+    def get_to_file(
+        self,
+        key: str,
+        path: str | os.PathLike[str],
+        *,
+        sha256: str | None = None,
+        max_bytes: int | None = None,
+    ) -> Downloaded:
+        """Write the object to the local file ``path``, streamed in bounded memory.
+
+        The bytes go to a temp file beside ``path`` (``.NAME.tmp-...``), hashed with
+        SHA-256 as they arrive, fsynced, and renamed over ``path`` only once complete
+        and, when ``sha256`` (lowercase hex) is given, verified: a mismatch is
+        ``DigestMismatch``. ``max_bytes`` bounds the object as for :meth:`get`
+        (``ObjectTooLarge``, from its size before its bytes where the store knows it).
+        ``NotFound`` if absent. Whatever fails, nothing is left at ``path`` that was not
+        there before (a file already there stays as it was) and the temp file is
+        removed; the local disk's refusals are ``LocalStorageError`` kinds
+        (``DiskFull``, ...). Meant for immutable objects: S3 reads the parts of one
+        version (``If-Match`` on its ETag), and an object replaced meanwhile is
+        ``StorageUnavailable``.
         """
         ...
 

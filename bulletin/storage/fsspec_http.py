@@ -29,6 +29,7 @@ that a static site honours.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import time
 from collections.abc import Callable, Coroutine, Iterator, Mapping
@@ -43,9 +44,10 @@ import aiohttp
 import yarl
 
 from bulletin.errors import AccessDenied, BulletinError, ConfigError, NotFound, StorageUnavailable
-from bulletin.storage.base import ObjectData, ObjectInfo
+from bulletin.storage.base import Downloaded, ObjectData, ObjectInfo
+from bulletin.storage.files import FileSink, check_path, check_sha256
 from bulletin.storage.fsspec_store import DIGEST_ETAG_PREFIX, FsspecStore, content_etag, fs_error, listable_key
-from bulletin.storage.keys import check_key, too_large
+from bulletin.storage.keys import check_key, check_max_bytes, too_large
 
 if TYPE_CHECKING:
     from fsspec.implementations.http import HTTPFileSystem
@@ -213,6 +215,22 @@ class HttpStore(FsspecStore):
                 chunks.append(chunk)
             return _Answer(200, b"".join(chunks), response.headers)
 
+    async def _stream(self, url: str, context: str, sink: FileSink) -> str | None:
+        """One GET whose body streams into ``sink`` (its writes off the event loop); the
+        response's ETag. Each attempt starts the file again from its first byte."""
+        session = await self._open_session()
+        sink.reset()
+        async with session.get(yarl.URL(url, encoded=True), **self._options({})) as response:
+            if response.status != 200:
+                raise _status_error(response.status, context)
+            identity = response.headers.get("Content-Encoding", "identity").strip().lower() in {"", "identity"}
+            length = response.content_length if identity else None
+            if sink.max_bytes is not None and length is not None and length > sink.max_bytes:
+                raise too_large(context, length, sink.max_bytes)
+            async for chunk in response.content.iter_chunked(_CHUNK):
+                await asyncio.to_thread(sink.write, chunk)
+            return response.headers.get("ETag")
+
     async def _head(self, url: str, context: str) -> _Answer:
         session = await self._open_session()
         options = self._options({"Accept-Encoding": "identity"})  # the stored size, not an encoding's
@@ -256,6 +274,26 @@ class HttpStore(FsspecStore):
         if etag == if_changed_from:  # also a server that ignores If-None-Match
             return None
         return ObjectData(answer.data, etag)
+
+    def get_to_file(
+        self,
+        key: str,
+        path: str | os.PathLike[str],
+        *,
+        sha256: str | None = None,
+        max_bytes: int | None = None,
+    ) -> Downloaded:
+        """One GET streamed to ``path`` (``Content-Length`` over ``max_bytes`` refused before
+        the body), hashed as it arrives; the ETag is the server's or the SHA-256."""
+        self._check_open()
+        expected = check_sha256(sha256)
+        bound = check_max_bytes(max_bytes)
+        target = check_path(path)
+        context = self._where(key)
+        with FileSink(target, context=context, max_bytes=bound) as sink:
+            etag = self._run(context, self._stream, self._url_of(key), context, sink)
+            done = sink.finish(etag or "", sha256=expected)
+        return done if done.etag else Downloaded(done.size, DIGEST_ETAG_PREFIX + done.sha256, done.sha256)
 
     def stat(self, key: str) -> ObjectInfo:
         """Size, ETag and modification time from one HEAD; ``NotFound`` if absent."""

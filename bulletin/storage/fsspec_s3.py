@@ -34,7 +34,13 @@ from botocore.handlers import set_list_objects_encoding_type_url
 from bulletin.errors import ConfigError
 from bulletin.storage.base import StoreBase
 from bulletin.storage.keys import check_store_prefix
-from bulletin.storage.s3 import _BUCKET_RE, S3Store
+from bulletin.storage.s3 import (
+    _BUCKET_RE,
+    DEFAULT_MULTIPART_THRESHOLD,
+    DEFAULT_PART_SIZE,
+    DEFAULT_TRANSFER_WORKERS,
+    S3Store,
+)
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
@@ -43,7 +49,12 @@ if TYPE_CHECKING:
 __all__ = ["S3fsClient", "S3fsStore", "check_conditional_support"]
 
 #: The request parameters the store's guarantees rest on, by operation.
-_CONDITIONAL_PARAMETERS: Final = {"PutObject": ("IfMatch", "IfNoneMatch"), "GetObject": ("IfNoneMatch",)}
+_CONDITIONAL_PARAMETERS: Final = {
+    "PutObject": ("IfMatch", "IfNoneMatch"),
+    "GetObject": ("IfNoneMatch", "IfMatch", "Range"),
+    "CompleteMultipartUpload": ("IfNoneMatch",),
+    "UploadPart": ("ChecksumCRC32",),
+}
 
 
 def check_conditional_support(service_model: Any) -> None:
@@ -78,11 +89,15 @@ class _Body:
         except aiohttp.ClientError as exc:
             raise _TransportError(f"{type(exc).__name__}: {exc}") from exc
 
+    def close(self) -> None:
+        """Release the body; drops the connection if it was not read to its end."""
+        self._body.close()
+
     def __enter__(self) -> _Body:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        self._body.close()  # drops the connection if the body was not read to its end
+        self.close()
 
 
 class S3fsClient:
@@ -148,6 +163,18 @@ class S3fsClient:
     def delete_object(self, **kwargs: Any) -> dict[str, Any]:
         return self._call("delete_object", **kwargs)
 
+    def create_multipart_upload(self, **kwargs: Any) -> dict[str, Any]:
+        return self._call("create_multipart_upload", **kwargs)
+
+    def upload_part(self, **kwargs: Any) -> dict[str, Any]:
+        return self._call("upload_part", **kwargs)
+
+    def complete_multipart_upload(self, **kwargs: Any) -> dict[str, Any]:
+        return self._call("complete_multipart_upload", **kwargs)
+
+    def abort_multipart_upload(self, **kwargs: Any) -> dict[str, Any]:
+        return self._call("abort_multipart_upload", **kwargs)
+
     def close(self) -> None:
         """Close the aiobotocore client's connections, if one was made."""
         from fsspec.asyn import sync
@@ -163,17 +190,36 @@ class S3fsStore(S3Store):
     every guarantee of :class:`S3Store` (its code, over :class:`S3fsClient`).
 
     Creating it sends no request; a bad bucket, credentials or botocore show on first use.
+    ``multipart_threshold``, ``part_size`` and ``transfer_workers`` are the S3 store's.
     """
 
     __slots__ = ("_fs",)
 
-    def __init__(self, fs: S3FileSystem, bucket: str, prefix: str = "", *, url: str | None = None) -> None:
+    def __init__(
+        self,
+        fs: S3FileSystem,
+        bucket: str,
+        prefix: str = "",
+        *,
+        url: str | None = None,
+        multipart_threshold: int = DEFAULT_MULTIPART_THRESHOLD,
+        part_size: int = DEFAULT_PART_SIZE,
+        transfer_workers: int = DEFAULT_TRANSFER_WORKERS,
+    ) -> None:
         if not _BUCKET_RE.fullmatch(bucket) or ".." in bucket:
             raise ConfigError(f"not a valid S3 bucket name: {bucket!r}")
         normalised = check_store_prefix(prefix)
         # S3Store.__init__ builds a boto3 client: only its URL and state are wanted here.
         StoreBase.__init__(self, url if url is not None else f"fsspec+s3://{bucket}/{normalised}".rstrip("/"))
-        self._bind(bucket, normalised, max_attempts=5, page_size=1000)
+        self._bind(
+            bucket,
+            normalised,
+            max_attempts=5,
+            page_size=1000,
+            multipart_threshold=multipart_threshold,
+            part_size=part_size,
+            transfer_workers=transfer_workers,
+        )
         self._client = cast("S3Client", S3fsClient(fs))
         self._fs = fs
 

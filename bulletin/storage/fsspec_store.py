@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 from collections.abc import Iterator, Mapping
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Final
@@ -38,8 +39,9 @@ from bulletin.errors import (
     StorageUnavailable,
     StoreNotWritable,
 )
-from bulletin.storage.base import ObjectData, ObjectInfo, Store, StoreBase, WriteResult
-from bulletin.storage.keys import check_key, check_prefix, check_start_after, too_large
+from bulletin.storage.base import Downloaded, ObjectData, ObjectInfo, Store, StoreBase, WriteResult
+from bulletin.storage.files import CHUNK, FileSink, check_path, check_sha256
+from bulletin.storage.keys import check_key, check_max_bytes, check_prefix, check_start_after, too_large
 
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
@@ -207,6 +209,34 @@ class FsspecStore(StoreBase):
                 return None
         return ObjectData(data, etag)
 
+    def get_to_file(
+        self,
+        key: str,
+        path: str | os.PathLike[str],
+        *,
+        sha256: str | None = None,
+        max_bytes: int | None = None,
+    ) -> Downloaded:
+        """Stream the object to ``path``: ``info`` (its size checked against ``max_bytes``),
+        then the filesystem's file object read in chunks into a verified temp file. The
+        ETag is the filesystem's, or else the SHA-256 of the bytes written."""
+        self._check_open()
+        expected = check_sha256(sha256)
+        bound = check_max_bytes(max_bytes)
+        target = check_path(path)
+        context = self._where(key)
+        info = self._info(key)
+        size = info.get("size")
+        known = size if isinstance(size, int) and not isinstance(size, bool) else None
+        if bound is not None and known is not None and known > bound:
+            raise too_large(context, known, bound)
+        with FileSink(target, context=context, max_bytes=bound) as sink:
+            with self._errors(context), self._fs.open(self._path(key), "rb", block_size=CHUNK) as source:
+                while chunk := source.read(CHUNK):
+                    sink.write(chunk)
+            done = sink.finish(_native_etag(info) or "", sha256=expected, size=known)
+        return done if done.etag else Downloaded(done.size, DIGEST_ETAG_PREFIX + done.sha256, done.sha256)
+
     def stat(self, key: str) -> ObjectInfo:
         """Size, ETag (None where the filesystem reports none) and modification time."""
         self._check_open()
@@ -261,6 +291,11 @@ class FsspecStore(StoreBase):
         """Refused: ``StoreNotWritable``, before anything is sent."""
         self._check_open()
         raise self._refuse("put_if_match", key)
+
+    def put_file_if_absent(self, key: str, path: str | os.PathLike[str]) -> WriteResult:
+        """Refused: ``StoreNotWritable``, before anything is read or sent."""
+        self._check_open()
+        raise self._refuse("put_file_if_absent", key)
 
     def delete(self, key: str) -> None:
         """Refused: ``StoreNotWritable``, before anything is sent."""

@@ -32,7 +32,7 @@ import os
 import stat as stat_mod
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Final
@@ -47,17 +47,20 @@ from bulletin.errors import (
 )
 from bulletin.storage.base import (
     Conflicted,
+    Downloaded,
     ObjectData,
     ObjectInfo,
     StoreBase,
     Updated,
     WriteResult,
 )
+from bulletin.storage.files import CHUNK, FileSink, SourceFile, check_path, check_sha256
 from bulletin.storage.keys import (
     RESERVED_SEGMENT_PREFIX,
     check_data,
     check_etag,
     check_key,
+    check_max_bytes,
     check_prefix,
     check_start_after,
     too_large,
@@ -101,6 +104,25 @@ def _write_all(fd: int, data: bytes) -> None:
     while view:
         written = os.write(fd, view)
         view = view[written:]
+
+
+def _copy_file(source: SourceFile, fd: int) -> None:
+    """All of ``source`` (its size at opening) into ``fd``, in the kernel where it can."""
+    offset = 0
+    try:
+        while offset < source.size:
+            copied = os.copy_file_range(source.fd, fd, source.size - offset, offset)
+            if not copied:
+                break
+            offset += copied
+    except OSError as exc:
+        if exc.errno not in {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL} or offset:
+            raise
+        for chunk in source.chunks():  # no in-kernel copy between these file systems
+            _write_all(fd, chunk)
+        offset = source.size
+    if offset != source.size:
+        raise InvalidInput(f"{source.path} shrank while it was being sent (the file must not change)")
 
 
 def _fsync_dir(path: str) -> None:
@@ -288,11 +310,11 @@ class LocalStore(StoreBase):
         tmp = os.path.join(parent, f"{_TMP_PREFIX}{uuid.uuid4().hex}")
         return os.open(tmp, _O_CREATE_NEW, 0o666), tmp
 
-    def _write_temp(self, parent: str, key: str, data: bytes, mtime_ns: int) -> tuple[str, str]:
-        """Write ``data`` to a new fsynced temporary file in ``parent``: ``(path, etag)``."""
+    def _write_temp(self, parent: str, key: str, fill: Callable[[int], None], mtime_ns: int) -> tuple[str, str]:
+        """A new fsynced temporary file in ``parent`` that ``fill(fd)`` wrote: ``(path, etag)``."""
         fd, tmp = self._create_temp(parent, key)
         try:
-            _write_all(fd, data)
+            fill(fd)
             # A fresh timestamp on a fresh inode: the new ETag differs from every
             # earlier one of this key, even for identical bytes.
             os.utime(fd, ns=(mtime_ns, mtime_ns))
@@ -306,13 +328,11 @@ class LocalStore(StoreBase):
         os.close(fd)
         return tmp, etag
 
-    def put_if_absent(self, key: str, data: bytes) -> WriteResult:
-        """Create the object unless the key exists (``link(2)`` decides the race)."""
-        self._check_open()
+    def _create(self, key: str, fill: Callable[[int], None]) -> WriteResult:
+        """Create-only: a temp file that ``fill`` writes, hard-linked to the key's name."""
         parent, path = self._path(key)
-        payload = check_data(data)
         with self._os_errors(key):
-            tmp, etag = self._write_temp(parent, key, payload, time.time_ns())
+            tmp, etag = self._write_temp(parent, key, fill, time.time_ns())
             try:
                 os.link(tmp, path)
             except FileExistsError:
@@ -330,6 +350,56 @@ class LocalStore(StoreBase):
                 os.unlink(tmp)
             _fsync_dir(parent)
         return Updated(etag)
+
+    def put_if_absent(self, key: str, data: bytes) -> WriteResult:
+        """Create the object unless the key exists (``link(2)`` decides the race)."""
+        self._check_open()
+        check_key(key)
+        payload = check_data(data)
+        return self._create(key, lambda fd: _write_all(fd, payload))
+
+    def put_file_if_absent(self, key: str, path: str | os.PathLike[str]) -> WriteResult:
+        """Create the object from a local file unless the key exists: the file is copied in
+        the kernel (``copy_file_range``) to a temp file, then linked as ``put_if_absent``."""
+        self._check_open()
+        check_key(key)
+        with SourceFile(path) as source:
+            return self._create(key, lambda fd: _copy_file(source, fd))
+
+    def get_to_file(
+        self,
+        key: str,
+        path: str | os.PathLike[str],
+        *,
+        sha256: str | None = None,
+        max_bytes: int | None = None,
+    ) -> Downloaded:
+        """Copy the object to ``path`` (temp file, SHA-256 while copying, fsync, rename)."""
+        self._check_open()
+        _, source = self._path(key)
+        expected = check_sha256(sha256)
+        bound = check_max_bytes(max_bytes)
+        target = check_path(path)
+        context = f"{self.url}: {key!r}"
+        with self._os_errors(key):
+            fd = self._open_object(key, source)
+        try:
+            with self._os_errors(key):
+                st = os.fstat(fd)
+            if bound is not None and st.st_size > bound:
+                raise too_large(context, st.st_size, bound)
+            with FileSink(target, context=context, max_bytes=bound) as sink:
+                buffer = memoryview(bytearray(min(CHUNK, max(st.st_size, 1))))
+                while True:
+                    with self._os_errors(key):
+                        n = os.readv(fd, [buffer])
+                    if not n:
+                        break
+                    sink.write(buffer[:n])
+                # Objects are never changed in place: the descriptor's stat is these bytes'.
+                return sink.finish(_etag(st), sha256=expected)
+        finally:
+            os.close(fd)
 
     def put_if_match(self, key: str, data: bytes, etag: str) -> WriteResult:
         """Replace the object only while it carries ``etag`` (under the key's lock)."""
@@ -349,7 +419,7 @@ class LocalStore(StoreBase):
                 return Conflicted(current)
             # Strictly after the replaced file's mtime, even if the clock stepped back.
             mtime_ns = max(time.time_ns(), st.st_mtime_ns + 1)
-            tmp, new_etag = self._write_temp(parent, key, payload, mtime_ns)
+            tmp, new_etag = self._write_temp(parent, key, lambda fd: _write_all(fd, payload), mtime_ns)
             try:
                 os.replace(tmp, path)
             except BaseException:

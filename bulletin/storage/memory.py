@@ -10,6 +10,7 @@ from __future__ import annotations
 import builtins
 import heapq
 import itertools
+import os
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -19,15 +20,18 @@ from typing import Final
 from bulletin.errors import ConfigError, NotFound
 from bulletin.storage.base import (
     Conflicted,
+    Downloaded,
     ObjectData,
     ObjectInfo,
     StoreBase,
     Updated,
     WriteResult,
 )
+from bulletin.storage.files import CHUNK, FileSink, SourceFile, check_path, check_sha256
 from bulletin.storage.keys import (
     check_data,
     check_etag,
+    check_max_bytes,
     check_prefix,
     check_start_after,
     check_store_prefix,
@@ -138,6 +142,37 @@ class MemoryStore(StoreBase):
                 return Conflicted(current.etag)
             entry = self._bucket.objects[full] = self._new_entry(payload)
         return Updated(entry.etag)
+
+    def put_file_if_absent(self, key: str, path: str | os.PathLike[str]) -> WriteResult:
+        """Create the object from a local file's bytes unless the key exists (the memory
+        store holds every object whole, so the file is read whole)."""
+        self._check_open()
+        join_key(self._prefix, key)  # a bad key is refused before the file is read
+        with SourceFile(path) as source:
+            data = source.read_at(0, source.size)
+        return self.put_if_absent(key, data)
+
+    def get_to_file(
+        self,
+        key: str,
+        path: str | os.PathLike[str],
+        *,
+        sha256: str | None = None,
+        max_bytes: int | None = None,
+    ) -> Downloaded:
+        """Write the object to ``path`` (temp file, SHA-256, fsync, rename)."""
+        expected = check_sha256(sha256)
+        bound = check_max_bytes(max_bytes)
+        target = check_path(path)
+        context = f"{self.url}: {key!r}"
+        entry = self._entry(key)
+        if bound is not None and len(entry.data) > bound:
+            raise too_large(context, len(entry.data), bound)
+        view = memoryview(entry.data)
+        with FileSink(target, context=context, max_bytes=bound) as sink:
+            for offset in range(0, len(view), CHUNK):
+                sink.write(view[offset : offset + CHUNK])
+            return sink.finish(entry.etag, sha256=expected)
 
     def put_if_match(self, key: str, data: bytes, etag: str) -> WriteResult:
         """Replace the object only while it carries ``etag``."""

@@ -13,6 +13,11 @@ So every conditional PUT stamps a fresh write id in the object's metadata
 connection error, the object is read back (``HeadObject``) and the write is
 ``Updated`` if the stored write id is ours.
 
+**Large objects** (:mod:`bulletin.storage.s3_transfer`): an object over
+``multipart_threshold`` (64 MiB by default) is sent as a multipart upload completed with
+``If-None-Match: *`` under the same write-id rule, and ``get_to_file`` reads objects by
+parallel ranged GETs; both on the store's pool of ``transfer_workers`` threads.
+
 One boto3 client is shared by all threads (boto3 clients are thread-safe); its
 connection pool should be at least as large as the number of threads using it.
 Throttling (``SlowDown``/``503``), ``5xx`` and connection errors are retried with
@@ -24,11 +29,14 @@ profile, instance role); endpoints from ``endpoint_url`` or, as boto3 does itsel
 
 from __future__ import annotations
 
+import os
 import random
 import re
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC
 from typing import TYPE_CHECKING, Any, Final, Literal, TypeVar
 from urllib.parse import quote, urlencode, urlsplit
@@ -50,15 +58,19 @@ from bulletin.errors import (
 )
 from bulletin.storage.base import (
     Conflicted,
+    Downloaded,
     ObjectData,
     ObjectInfo,
     StoreBase,
     Updated,
     WriteResult,
 )
+from bulletin.storage.files import SourceFile, check_path, check_sha256
 from bulletin.storage.keys import (
     check_data,
     check_etag,
+    check_key,
+    check_max_bytes,
     check_prefix,
     check_start_after,
     check_store_prefix,
@@ -105,6 +117,15 @@ _STREAM_ERRORS: Final = (bx.BotoCoreError, Urllib3HTTPError, OSError)
 
 #: Bytes per read of a body that came without a ``Content-Length`` (bounded reads only).
 _CHUNK: Final = 1 << 20
+
+#: Large-object defaults: objects above the threshold go as multipart uploads of parts of
+#: this size, and every transfer of parts runs on this many threads per store.
+DEFAULT_MULTIPART_THRESHOLD: Final = 64 << 20
+DEFAULT_PART_SIZE: Final = 16 << 20
+DEFAULT_TRANSFER_WORKERS: Final = 8
+#: S3's least part size (every part but the last), and its most.
+_MIN_PART: Final = 5 << 20
+_MAX_PART: Final = 5 << 30
 
 _T = TypeVar("_T")
 
@@ -216,6 +237,12 @@ class S3Store(StoreBase):
         connect_timeout, read_timeout: seconds.
         max_pool_connections: HTTP connections kept; at least the number of threads.
         page_size: keys per listing request (S3 caps it at 1000).
+        multipart_threshold: objects larger than this (bytes) are sent as multipart
+            uploads (create-only all the same); at most 5 GiB, S3's limit on one PUT.
+        part_size: bytes per part of a multipart upload (5 MiB to 5 GiB; larger when
+            10,000 parts would not hold the object) and per ranged GET of ``get_to_file``.
+        transfer_workers: parts sent or fetched at once, on one pool per store; keep it
+            at most ``max_pool_connections`` (less the bulk transfers run beside it).
         session: a ready boto3 session (for example with assumed-role credentials);
             ``profile`` must then be unset.
 
@@ -227,8 +254,13 @@ class S3Store(StoreBase):
         "_bucket_seen",
         "_client",
         "_max_attempts",
+        "_multipart_threshold",
         "_page_size",
+        "_part_size",
+        "_pool",
+        "_pool_lock",
         "_prefix",
+        "_transfer_workers",
     )
 
     def __init__(
@@ -246,6 +278,9 @@ class S3Store(StoreBase):
         read_timeout: float = 60.0,
         max_pool_connections: int = 16,
         page_size: int = 1000,
+        multipart_threshold: int = DEFAULT_MULTIPART_THRESHOLD,
+        part_size: int = DEFAULT_PART_SIZE,
+        transfer_workers: int = DEFAULT_TRANSFER_WORKERS,
         session: boto3.session.Session | None = None,
     ) -> None:
         if not isinstance(bucket, str) or not _BUCKET_RE.fullmatch(bucket) or ".." in bucket:
@@ -265,7 +300,15 @@ class S3Store(StoreBase):
         if session is not None and profile is not None:
             raise ConfigError("give either a boto3 session or a profile, not both")
 
-        self._bind(bucket, check_store_prefix(prefix), max_attempts=max_attempts, page_size=page_size)
+        self._bind(
+            bucket,
+            check_store_prefix(prefix),
+            max_attempts=max_attempts,
+            page_size=page_size,
+            multipart_threshold=multipart_threshold,
+            part_size=part_size,
+            transfer_workers=transfer_workers,
+        )
 
         params: dict[str, str] = {}
         for name, value, default in (
@@ -279,6 +322,9 @@ class S3Store(StoreBase):
             ("read_timeout", read_timeout, 60.0),
             ("max_pool_connections", max_pool_connections, 16),
             ("page_size", page_size, 1000),
+            ("multipart_threshold", multipart_threshold, DEFAULT_MULTIPART_THRESHOLD),
+            ("part_size", part_size, DEFAULT_PART_SIZE),
+            ("transfer_workers", transfer_workers, DEFAULT_TRANSFER_WORKERS),
         ):
             if value is not None and value != default:
                 params[name] = f"{value:g}" if isinstance(value, float) else str(value)
@@ -310,14 +356,44 @@ class S3Store(StoreBase):
             "before-parameter-build.s3.ListObjectsV2", set_list_objects_encoding_type_url
         )
 
-    def _bind(self, bucket: str, prefix: str, *, max_attempts: int, page_size: int) -> None:
+    def _bind(
+        self,
+        bucket: str,
+        prefix: str,
+        *,
+        max_attempts: int,
+        page_size: int,
+        multipart_threshold: int = DEFAULT_MULTIPART_THRESHOLD,
+        part_size: int = DEFAULT_PART_SIZE,
+        transfer_workers: int = DEFAULT_TRANSFER_WORKERS,
+    ) -> None:
         """The state every request reads, apart from the client: one place for every way of
         making the store (boto3 here, s3fs in :mod:`bulletin.storage.fsspec_s3`)."""
+        _check_positive("multipart_threshold", multipart_threshold, integer=True, upper=_MAX_PART)
+        _check_positive("transfer_workers", transfer_workers, integer=True, upper=256)
+        if isinstance(part_size, bool) or not isinstance(part_size, int) or not _MIN_PART <= part_size <= _MAX_PART:
+            raise ConfigError(
+                f"part_size must be an int from {_MIN_PART} (5 MiB) to {_MAX_PART} (5 GiB), got {part_size!r}"
+            )
         self._bucket = bucket
         self._prefix = prefix
         self._max_attempts = max_attempts
         self._page_size = page_size
+        self._multipart_threshold = multipart_threshold
+        self._part_size = part_size
+        self._transfer_workers = transfer_workers
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
         self._bucket_seen = False  # set by any answer that proves the bucket exists
+
+    def _transfers(self) -> ThreadPoolExecutor:
+        """The store's pool for parts, made on first use: every large transfer shares it,
+        so parts in flight never exceed ``transfer_workers`` however many callers."""
+        with self._pool_lock:
+            self._check_open()
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self._transfer_workers, thread_name_prefix="bulletin-s3-parts")
+            return self._pool
 
     @property
     def bucket(self) -> str:
@@ -341,7 +417,11 @@ class S3Store(StoreBase):
         return str(self._client.meta.endpoint_url)
 
     def close(self) -> None:
-        """Close the client's connection pool. Idempotent."""
+        """Close the client's connection pool and the transfer threads. Idempotent."""
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
         if not self._closed:
             self._client.close()
         super().close()
@@ -521,9 +601,45 @@ class S3Store(StoreBase):
         return Conflicted(None if etag is None else str(etag))
 
     def put_if_absent(self, key: str, data: bytes) -> WriteResult:
-        """Create the object unless the key exists (``If-None-Match: *``)."""
+        """Create the object unless the key exists (``If-None-Match: *``; above the multipart
+        threshold, a multipart upload completed so)."""
         self._check_open()
+        payload = check_data(data)
+        if len(payload) > self._multipart_threshold:
+            from bulletin.storage.s3_transfer import BytesSource, upload
+
+            check_key(key)
+            return upload(self, key, BytesSource(payload))
+        return self._put(key, payload, {"IfNoneMatch": "*"})
+
+    def put_file_if_absent(self, key: str, path: str | os.PathLike[str]) -> WriteResult:
+        """Create the object from a local file unless the key exists: one conditional PUT up
+        to the multipart threshold, a create-only multipart upload above it."""
+        self._check_open()
+        check_key(key)
+        with SourceFile(path) as source:
+            if source.size > self._multipart_threshold:
+                from bulletin.storage.s3_transfer import upload
+
+                return upload(self, key, source)
+            data = source.read_at(0, source.size)
         return self._put(key, data, {"IfNoneMatch": "*"})
+
+    def get_to_file(
+        self,
+        key: str,
+        path: str | os.PathLike[str],
+        *,
+        sha256: str | None = None,
+        max_bytes: int | None = None,
+    ) -> Downloaded:
+        """Write the object to ``path`` by parallel ranged GETs of one version (``If-Match``),
+        hashed as they arrive; see :meth:`Store.get_to_file`."""
+        from bulletin.storage.s3_transfer import download
+
+        self._check_open()
+        check_key(key)
+        return download(self, key, check_path(path), check_sha256(sha256), check_max_bytes(max_bytes))
 
     def put_if_match(self, key: str, data: bytes, etag: str) -> WriteResult:
         """Replace the object only while it carries ``etag`` (``If-Match``)."""

@@ -16,8 +16,9 @@ URL                                                         store
 S3 query parameters: ``endpoint_url``, ``region``, ``profile``, ``addressing_style``
 (auto, path, virtual), ``max_attempts``, ``retry_mode`` (standard, adaptive),
 ``connect_timeout``, ``read_timeout`` (seconds), ``max_pool_connections``,
-``page_size``. Credentials never go in the URL: the standard AWS environment
-(``AWS_ACCESS_KEY_ID``, ``AWS_PROFILE``, ...) provides them.
+``page_size``, ``multipart_threshold``, ``part_size`` (bytes), ``transfer_workers``.
+Credentials never go in the URL: the standard AWS environment (``AWS_ACCESS_KEY_ID``,
+``AWS_PROFILE``, ...) provides them.
 
 fsspec URLs: the query holds the filesystem's storage options, each value read as JSON
 where it is JSON (``anon=true``, ``client_kwargs={"region_name":"eu-west-1"}``, a quoted
@@ -69,6 +70,9 @@ _S3_PARAMS: Final[dict[str, type[str] | type[int] | type[float]]] = {
     "max_attempts": int,
     "max_pool_connections": int,
     "page_size": int,
+    "multipart_threshold": int,
+    "part_size": int,
+    "transfer_workers": int,
     "connect_timeout": float,
     "read_timeout": float,
 }

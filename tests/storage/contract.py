@@ -8,19 +8,25 @@ reopen the store from ``store.url``).
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import multiprocessing
+import os
 import queue
 import threading
 import tracemalloc
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
+from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
 
-from bulletin.errors import InvalidInput, NotFound, ObjectTooLarge
+from bulletin.errors import BulletinError, DigestMismatch, DiskFull, InvalidInput, NotFound, ObjectTooLarge
 from bulletin.storage import (
     Conflicted,
+    Downloaded,
     ObjectData,
     Store,
     Updated,
@@ -83,7 +89,208 @@ def _model_list(keys: list[str], prefix: str, start_after: str | None) -> list[s
     return [k for k in sorted(keys) if k.startswith(prefix) and (start_after is None or k > start_after)]
 
 
-class StoreContract:
+class FileTransferContract:
+    """``put_file_if_absent`` and ``get_to_file``: the streamed pair, for every store.
+
+    ``file_size`` is large enough to cross the store's own boundaries where it has any
+    (S3's multipart threshold and part size, set small by its test class).
+    """
+
+    file_size: ClassVar[int] = (3 << 20) + 12345
+    #: False where the server does not serialise create-only multipart completions
+    #: (LocalStack 4.13: concurrent completions with If-None-Match can all succeed).
+    atomic_file_create: ClassVar[bool] = True
+
+    @pytest.fixture
+    def source(self, tmp_path: Path) -> Path:
+        path = tmp_path / "source.bin"
+        path.write_bytes(_pattern(self.file_size))
+        return path
+
+    def test_file_round_trip(self, store: Store, source: Path, tmp_path: Path) -> None:
+        data = source.read_bytes()
+        created = store.put_file_if_absent("files/a", source)
+        assert isinstance(created, Updated)
+        assert store.get("files/a") == ObjectData(data, created.etag)
+        target = tmp_path / "out" / "a.bin"
+        target.parent.mkdir()
+        got = store.get_to_file("files/a", target, sha256=hashlib.sha256(data).hexdigest(), max_bytes=len(data))
+        assert got == Downloaded(len(data), created.etag, hashlib.sha256(data).hexdigest())
+        assert target.read_bytes() == data
+        assert os.listdir(target.parent) == ["a.bin"]  # no temp file left beside it
+        # Without a digest the one computed is still reported; a str path works too.
+        again = store.get_to_file("files/a", str(target))
+        assert again.sha256 == got.sha256 and target.read_bytes() == data
+
+    def test_objects_put_as_bytes_download_to_files(self, store: Store, tmp_path: Path) -> None:
+        data = _pattern(self.file_size)
+        created = store.put_if_absent("bytes", data)
+        assert isinstance(created, Updated)
+        got = store.get_to_file("bytes", tmp_path / "b")
+        assert (got.size, got.etag) == (len(data), created.etag)
+        assert (tmp_path / "b").read_bytes() == data
+
+    def test_put_file_is_create_only(self, store: Store, source: Path, tmp_path: Path) -> None:
+        first = store.put_if_absent("once", b"first")
+        assert isinstance(first, Updated)
+        assert store.put_file_if_absent("once", source) == Conflicted(first.etag)
+        assert store.get("once") == ObjectData(b"first", first.etag)
+        other = tmp_path / "other.bin"
+        other.write_bytes(b"other")
+        created = store.put_file_if_absent("twice", other)
+        assert isinstance(created, Updated)
+        assert store.put_file_if_absent("twice", source) == Conflicted(created.etag)
+        assert store.get("twice").data == b"other"
+
+    def test_empty_file(self, store: Store, tmp_path: Path) -> None:
+        empty = tmp_path / "empty"
+        empty.write_bytes(b"")
+        created = store.put_file_if_absent("empty", empty)
+        assert isinstance(created, Updated)
+        assert store.get("empty").data == b""
+        got = store.get_to_file("empty", tmp_path / "copy", sha256=hashlib.sha256(b"").hexdigest(), max_bytes=0)
+        assert got.size == 0 and (tmp_path / "copy").read_bytes() == b""
+
+    def test_bad_sources_create_nothing(self, store: Store, tmp_path: Path) -> None:
+        for path in (tmp_path / "missing", tmp_path):
+            with pytest.raises(InvalidInput):
+                store.put_file_if_absent("k", path)
+        for path in (None, 5, b"/bytes/path", ""):
+            with pytest.raises(InvalidInput):
+                store.put_file_if_absent("k", path)  # type: ignore[arg-type]
+        (tmp_path / "f").write_bytes(b"x")
+        for key in ("", "a//b", "../x"):
+            with pytest.raises(InvalidInput):
+                store.put_file_if_absent(key, tmp_path / "f")
+        assert list(store.list("")) == []
+
+    def test_get_to_file_refuses_bad_arguments(self, store: Store, tmp_path: Path) -> None:
+        store.put_if_absent("k", b"x")
+        out = tmp_path / "out"
+        out.mkdir()
+        for sha in ("A" * 64, "0" * 63, 5, b"0" * 64):
+            with pytest.raises(InvalidInput):
+                store.get_to_file("k", out / "t", sha256=sha)  # type: ignore[arg-type]
+        for bound in (-1, True, 1.5):
+            with pytest.raises(InvalidInput):
+                store.get_to_file("k", out / "t", max_bytes=bound)  # type: ignore[arg-type]
+        with pytest.raises(InvalidInput):
+            store.get_to_file("a//b", out / "t")
+        with pytest.raises(NotFound):
+            store.get_to_file("missing", out / "t")
+        assert os.listdir(out) == []
+
+    def test_digest_mismatch_leaves_nothing(self, store: Store, source: Path, tmp_path: Path) -> None:
+        store.put_file_if_absent("obj", source)
+        target = tmp_path / "out" / "obj"
+        target.parent.mkdir()
+        with pytest.raises(DigestMismatch):
+            store.get_to_file("obj", target, sha256="0" * 64)
+        assert os.listdir(target.parent) == []
+        target.write_bytes(b"held before")  # a file already there stays as it was
+        with pytest.raises(DigestMismatch):
+            store.get_to_file("obj", target, sha256="0" * 64)
+        assert os.listdir(target.parent) == ["obj"] and target.read_bytes() == b"held before"
+
+    def test_object_over_the_bound_is_refused(self, store: Store, source: Path, tmp_path: Path) -> None:
+        # A hostile object far larger than the manifest promised: refused, nothing written.
+        store.put_file_if_absent("big", source)
+        out = tmp_path / "out"
+        out.mkdir()
+        tracemalloc.start()
+        try:
+            with pytest.raises(ObjectTooLarge, match="big"):
+                store.get_to_file("big", out / "big", max_bytes=self.file_size - 1)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert os.listdir(out) == []
+        assert peak < self.file_size // 2  # refused from its size, not read whole
+
+    def test_failing_disk_mid_download_leaves_nothing(
+        self, store: Store, source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        store.put_file_if_absent("obj", source)
+        target = tmp_path / "out" / "obj"
+        target.parent.mkdir()
+        real_pwrite = os.pwrite
+        written = [0]
+        lock = threading.Lock()
+
+        def filling_disk(fd: int, data: Any, offset: int) -> int:
+            with lock:
+                if written[0] > 1 << 20:
+                    raise OSError(errno.ENOSPC, "No space left on device")
+            n = real_pwrite(fd, memoryview(data)[: 256 << 10], offset)  # short writes: resumed
+            with lock:
+                written[0] += n
+            return n
+
+        monkeypatch.setattr(os, "pwrite", filling_disk)
+        with pytest.raises(DiskFull):
+            store.get_to_file("obj", target)
+        monkeypatch.undo()
+        assert written[0] > 0  # it failed mid-transfer, not before
+        assert os.listdir(target.parent) == []
+
+    def test_failing_source_mid_upload_creates_nothing(
+        self, store: Store, source: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        calls = [0]
+        lock = threading.Lock()
+        real_pread = os.pread
+
+        def failing_read(fd: int, n: int, offset: int) -> bytes:
+            with lock:
+                calls[0] += 1
+                if calls[0] > 1:
+                    raise OSError(errno.EIO, "Input/output error")
+            return real_pread(fd, min(n, 1 << 20), offset)  # short reads: the file is read in pieces
+
+        def failing_copy(*args: Any) -> int:
+            raise OSError(errno.EIO, "Input/output error")
+
+        monkeypatch.setattr(os, "pread", failing_read)
+        monkeypatch.setattr(os, "copy_file_range", failing_copy)
+        with pytest.raises(BulletinError):
+            store.put_file_if_absent("obj", source)
+        monkeypatch.undo()
+        with pytest.raises(NotFound):
+            store.get("obj")
+        assert list(store.list("")) == []
+        assert isinstance(store.put_file_if_absent("obj", source), Updated)  # nothing in the way
+
+    def test_parallel_file_writers_have_one_winner(self, store: Store, tmp_path: Path) -> None:
+        sources = []
+        for n in range(4):
+            path = tmp_path / f"s{n}"
+            path.write_bytes(bytes([n]) * 1000 + _pattern(self.file_size - 1000))
+            sources.append(path)
+        barrier = threading.Barrier(len(sources), timeout=RACE_TIMEOUT)
+
+        def write(path: Path) -> Any:
+            barrier.wait()
+            return store.put_file_if_absent("raced", path)
+
+        with ThreadPoolExecutor(len(sources)) as pool:
+            outcomes = list(pool.map(write, sources))
+        winners = [n for n, o in enumerate(outcomes) if isinstance(o, Updated)]
+        stored = store.get("raced")
+        if not self.atomic_file_create:  # still: one writer's whole file, never a mix
+            assert winners and stored.data in {sources[n].read_bytes() for n in winners}, outcomes
+            return
+        assert len(winners) == 1, outcomes
+        assert stored.data == sources[winners[0]].read_bytes()
+        assert {o.etag if isinstance(o, Updated) else o.current_etag for o in outcomes} == {stored.etag}
+
+
+def _pattern(size: int) -> bytes:
+    """``size`` bytes that differ at every offset mod 251 (a misplaced part shows)."""
+    block = bytes(range(251))
+    return (block * (size // 251 + 1))[:size]
+
+
+class StoreContract(FileTransferContract):
     """Behaviour every :class:`~bulletin.storage.Store` implementation must show."""
 
     race_in_processes: ClassVar[bool] = False

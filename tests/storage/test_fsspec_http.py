@@ -6,6 +6,7 @@ is refused before a single request."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import socket
@@ -21,7 +22,14 @@ from numpy.typing import NDArray
 
 from bulletin import Publisher, Subscriber
 from bulletin.checkpoint import Checkpoint
-from bulletin.errors import AccessDenied, NotFound, ObjectTooLarge, StorageUnavailable, StoreNotWritable
+from bulletin.errors import (
+    AccessDenied,
+    DigestMismatch,
+    NotFound,
+    ObjectTooLarge,
+    StorageUnavailable,
+    StoreNotWritable,
+)
 from bulletin.maintenance import collect_garbage
 from bulletin.run import Run
 from bulletin.storage import HttpStore, LocalStore, Store, open_fsspec, open_store
@@ -223,3 +231,20 @@ def test_an_unreachable_site_is_storage_unavailable() -> None:
         assert not isinstance(info.value, AccessDenied)
         assert info.value.__cause__ is not None
     store.close()
+
+
+def test_get_to_file_streams_one_get_and_verifies(site: Site, store: Store, tmp_path: Path) -> None:
+    key = next(i.key for i in store.list(f"{RUN}/") if i.size > 1000)
+    data = (site.bucket / key).read_bytes()
+    digest = hashlib.sha256(data).hexdigest()
+    site.server.clear()
+    got = store.get_to_file(key, tmp_path / "obj", sha256=digest, max_bytes=len(data))
+    assert (got.size, got.sha256, got.etag) == (len(data), digest, store.stat(key).etag)
+    assert (tmp_path / "obj").read_bytes() == data
+    with pytest.raises(DigestMismatch):
+        store.get_to_file(key, tmp_path / "bad", sha256="0" * 64)
+    with pytest.raises(ObjectTooLarge, match=str(len(data))):  # from Content-Length, before the body
+        store.get_to_file(key, tmp_path / "big", max_bytes=len(data) - 1)
+    with pytest.raises(NotFound):
+        store.get_to_file(f"{RUN}/missing", tmp_path / "missing")
+    assert sorted(os.listdir(tmp_path)) == ["obj"]

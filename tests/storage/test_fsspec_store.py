@@ -8,7 +8,9 @@ as the protocol says, every write refused with ``StoreNotWritable`` and nothing 
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +26,7 @@ from bulletin.cli import main
 from bulletin.errors import (
     AccessDenied,
     ConfigError,
+    DigestMismatch,
     InvalidInput,
     NotFound,
     ObjectTooLarge,
@@ -297,3 +300,28 @@ def test_open_fsspec_takes_options_a_url_could_not_carry(tmp_path: Path) -> None
 def test_what_a_filesystem_raises_is_translated(exc: BaseException, kind: type[Exception]) -> None:
     error = fs_error(exc, "ctx")
     assert type(error) is kind and str(error).startswith("ctx")
+
+
+# -- streamed downloads ----------------------------------------------------------------------
+
+
+def test_get_to_file_streams_verifies_and_refuses(filesystem: Filesystem, store: Store, tmp_path: Path) -> None:
+    data = bytes(range(251)) * 20_000  # ~5 MiB: several chunks of the file object
+    filesystem.put("run/keyframe.bin", data)
+    out = tmp_path / "out"
+    out.mkdir()
+    digest = hashlib.sha256(data).hexdigest()
+    got = store.get_to_file("run/keyframe.bin", out / "k", sha256=digest, max_bytes=len(data))
+    assert (got.size, got.sha256) == (len(data), digest)
+    assert got.etag == store.get("run/keyframe.bin").etag  # the same ETag a whole read reports
+    assert (out / "k").read_bytes() == data
+    with pytest.raises(DigestMismatch):
+        store.get_to_file("run/keyframe.bin", out / "bad", sha256="0" * 64)
+    with pytest.raises(ObjectTooLarge):
+        store.get_to_file("run/keyframe.bin", out / "big", max_bytes=len(data) - 1)
+    with pytest.raises(NotFound):
+        store.get_to_file("run/missing", out / "missing")
+    assert sorted(os.listdir(out)) == ["k"]
+    with pytest.raises(StoreNotWritable):
+        store.put_file_if_absent("run/x", out / "k")
+    assert "run/x" not in {i.key for i in store.list("run/")}

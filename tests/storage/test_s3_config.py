@@ -190,3 +190,42 @@ def test_a_body_without_a_length_is_read_only_up_to_the_bound() -> None:
     assert body.taken <= (1 << 20) + 6
     outcome, _ = _stubbed_get(b"x" * 3_000_000, length=None, max_bytes=3_000_000)
     assert outcome == b"x" * 3_000_000
+
+
+def test_part_sizes_fit_s3s_limits() -> None:
+    from bulletin.storage.s3_transfer import MAX_PARTS, part_size_for
+
+    mib = 1 << 20
+    assert part_size_for(100 * mib, 8 * mib) == 8 * mib
+    five_tb = 5 * 10**12
+    chosen = part_size_for(five_tb, 8 * mib)
+    assert chosen % mib == 0 and -(-five_tb // chosen) <= MAX_PARTS and chosen <= 500 * mib
+    assert -(-(45 << 40) // part_size_for(45 << 40, 8 * mib)) <= MAX_PARTS  # 45 TiB: ~4.6 GiB parts
+    with pytest.raises(InvalidInput, match="larger than S3 takes"):
+        part_size_for(MAX_PARTS * (5 << 30) + 1, 8 * mib)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"part_size": (5 << 20) - 1},
+        {"part_size": (5 << 30) + 1},
+        {"part_size": True},
+        {"multipart_threshold": 0},
+        {"multipart_threshold": (5 << 30) + 1},
+        {"transfer_workers": 0},
+    ],
+)
+def test_bad_transfer_settings_are_config_errors(options: dict[str, Any]) -> None:
+    with pytest.raises(ConfigError):
+        S3Store("bucket", **options)
+
+
+def test_transfer_settings_round_trip_through_the_url() -> None:
+    store = open_store(
+        "s3://bucket/p?multipart_threshold=10485760&part_size=6291456&transfer_workers=4&region=us-east-1"
+    )
+    assert isinstance(store, S3Store)
+    assert "multipart_threshold=10485760" in store.url and "transfer_workers=4" in store.url
+    assert open_store(store.url).url == store.url
+    store.close()

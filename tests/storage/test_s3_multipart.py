@@ -1,0 +1,228 @@
+"""Large objects on S3 (LocalStack): create-only multipart uploads and what they leave
+behind (nothing, whatever fails), a lost completion, parts damaged in flight, and ranged
+downloads of one version."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import io
+import os
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import boto3
+import pytest
+
+from bulletin.errors import BulletinError, StorageUnavailable
+from bulletin.storage import Conflicted, S3Store, Updated
+from bulletin.storage.s3 import WRITE_ID_METADATA
+from tests.conftest import S3_TEST_REGION
+from tests.storage.tcp_proxy import ResponseDroppingProxy
+
+pytestmark = pytest.mark.integration
+
+PART = 5 << 20
+SIZE = 3 * PART - 1234  # three parts, the last one short
+
+
+@pytest.fixture
+def raw(s3_endpoint: str) -> Iterator[Any]:
+    client = boto3.client("s3", endpoint_url=s3_endpoint, region_name=S3_TEST_REGION)
+    yield client
+    client.close()
+
+
+def _store(endpoint: str, bucket: str, **options: Any) -> S3Store:
+    options.setdefault("multipart_threshold", 6 << 20)
+    return S3Store(bucket, "big", endpoint_url=endpoint, region=S3_TEST_REGION, part_size=PART, **options)
+
+
+@pytest.fixture
+def store(s3_endpoint: str, s3_bucket: str) -> Iterator[S3Store]:
+    store = _store(s3_endpoint, s3_bucket)
+    yield store
+    store.close()
+
+
+@pytest.fixture
+def source(tmp_path: Path) -> Path:
+    path = tmp_path / "keyframe.safetensors"
+    path.write_bytes(os.urandom(SIZE))
+    return path
+
+
+def _uploads(raw: Any, bucket: str) -> list[Any]:
+    return list(raw.list_multipart_uploads(Bucket=bucket).get("Uploads", []))
+
+
+def _on(store: S3Store, operation: str, handler: Any) -> None:
+    store._client.meta.events.register(f"before-send.s3.{operation}", handler)
+
+
+def _header(request: Any, name: str) -> str:
+    value = request.headers.get(name, b"")
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _damage(request: Any, at: int) -> None:
+    """Flip one byte of a request's body, after its checksum was computed (in flight)."""
+    body = request.body
+    data = bytearray(body.read() if hasattr(body, "read") else body)
+    data[at % len(data)] ^= 0xFF
+    request.body = io.BytesIO(bytes(data))
+
+
+def test_a_large_file_is_one_multipart_object_created_once(
+    store: S3Store, source: Path, raw: Any, s3_bucket: str
+) -> None:
+    created = store.put_file_if_absent("files/k", source)
+    assert isinstance(created, Updated)
+    assert created.etag.endswith('-3"')  # three parts, completed as one object
+    head = raw.head_object(Bucket=s3_bucket, Key="big/files/k")
+    assert head["ContentLength"] == SIZE and len(head["Metadata"][WRITE_ID_METADATA]) == 32
+    assert store.put_file_if_absent("files/k", source) == Conflicted(created.etag)
+    assert _uploads(raw, s3_bucket) == []  # the loser's upload was aborted, not left to bill
+    assert raw.get_object(Bucket=s3_bucket, Key="big/files/k")["Body"].read() == source.read_bytes()
+
+
+def test_large_bytes_go_multipart_too(store: S3Store, raw: Any, s3_bucket: str) -> None:
+    data = os.urandom(SIZE)
+    created = store.put_if_absent("bytes", data)
+    assert isinstance(created, Updated) and created.etag.endswith('-3"')
+    assert store.get("bytes").data == data
+    small = store.put_if_absent("small", data[: 6 << 20])  # at the threshold: one PUT
+    assert isinstance(small, Updated) and "-" not in small.etag
+    assert _uploads(raw, s3_bucket) == []
+
+
+def test_the_server_refuses_a_second_completion(store: S3Store, source: Path, raw: Any, s3_bucket: str) -> None:
+    # LocalStack 4.13 honours If-None-Match on CompleteMultipartUpload (as AWS has since
+    # 2024-11): a writer that finds the key taken only at completion still loses.
+    raw.put_object(Bucket=s3_bucket, Key="big/taken", Body=b"first")
+    sent: list[str] = []
+    _on(store, "CompleteMultipartUpload", lambda request, **_: sent.append(_header(request, "If-None-Match")))
+    outcome = store.put_file_if_absent("taken", source)
+    assert sent == ["*"]
+    assert isinstance(outcome, Conflicted) and outcome.current_etag is not None
+    assert raw.get_object(Bucket=s3_bucket, Key="big/taken")["Body"].read() == b"first"
+    assert _uploads(raw, s3_bucket) == []
+
+
+def test_racing_multipart_writers_leave_one_whole_file_and_no_uploads(
+    store: S3Store, tmp_path: Path, raw: Any, s3_bucket: str
+) -> None:
+    sources = []
+    for n in range(6):
+        path = tmp_path / f"writer-{n}"
+        path.write_bytes(bytes([n]) * SIZE)
+        sources.append(path)
+    barrier = threading.Barrier(len(sources))
+
+    def write(path: Path) -> Any:
+        barrier.wait()
+        return store.put_file_if_absent("raced", path)
+
+    with ThreadPoolExecutor(len(sources)) as pool:
+        outcomes = list(pool.map(write, sources))
+    winners = [n for n, o in enumerate(outcomes) if isinstance(o, Updated)]
+    # AWS serialises conditional completions (one winner); LocalStack 4.13 checks
+    # If-None-Match before it writes, unlocked, so concurrent completions may all win.
+    # What holds on both: the object is one writer's whole file, and no upload is left.
+    assert winners
+    assert store.get("raced").data in {sources[n].read_bytes() for n in winners}
+    assert _uploads(raw, s3_bucket) == []
+
+
+def test_a_failed_part_aborts_the_upload(
+    store: S3Store, source: Path, raw: Any, s3_bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_pread = os.pread
+    sent: list[int] = []
+    _on(store, "UploadPart", lambda **_: sent.append(1))
+
+    def failing_read(fd: int, n: int, offset: int) -> bytes:
+        if offset >= 2 * PART:
+            raise OSError(errno.EIO, "Input/output error")
+        return real_pread(fd, n, offset)
+
+    monkeypatch.setattr(os, "pread", failing_read)
+    with pytest.raises(BulletinError):
+        store.put_file_if_absent("failed", source)
+    monkeypatch.undo()
+    assert sent  # parts were sent before the failure
+    assert _uploads(raw, s3_bucket) == []
+    assert "Contents" not in raw.list_objects_v2(Bucket=s3_bucket)
+
+
+def test_a_part_damaged_in_flight_is_refused_and_sent_again(
+    store: S3Store, source: Path, raw: Any, s3_bucket: str
+) -> None:
+    damaged: list[int] = []
+
+    def damage(request: Any, **_: Any) -> None:
+        if not damaged:  # the first part sent, once
+            _damage(request, PART // 2)
+            damaged.append(1)
+
+    _on(store, "UploadPart", damage)
+    created = store.put_file_if_absent("damaged", source)
+    assert damaged and isinstance(created, Updated)
+    assert store.get("damaged").data == source.read_bytes()
+    assert _uploads(raw, s3_bucket) == []
+
+
+def test_parts_always_damaged_fail_and_leave_nothing(store: S3Store, source: Path, raw: Any, s3_bucket: str) -> None:
+    _on(store, "UploadPart", lambda request, **_: _damage(request, 0))
+    with pytest.raises(StorageUnavailable, match=r"BadDigest|Mismatch"):
+        store.put_file_if_absent("damaged", source)
+    assert _uploads(raw, s3_bucket) == []
+    assert "Contents" not in raw.list_objects_v2(Bucket=s3_bucket)
+
+
+def test_a_lost_completion_response_is_still_our_write(
+    s3_endpoint: str, s3_bucket: str, source: Path, raw: Any
+) -> None:
+    upstream = urlsplit(s3_endpoint)
+    assert upstream.hostname is not None and upstream.port is not None
+    with ResponseDroppingProxy(upstream.hostname, upstream.port) as proxy:
+        store = _store(proxy.endpoint, s3_bucket, max_attempts=3)
+        _on(store, "CompleteMultipartUpload", lambda **_: proxy.drop_next_response() if not proxy.dropped else None)
+        outcome = store.put_file_if_absent("lost", source)
+        assert proxy.dropped == 1
+        assert isinstance(outcome, Updated)  # botocore sent it again: a 412 against our own object
+        assert store.stat("lost").etag == outcome.etag
+        store.close()
+    assert _uploads(raw, s3_bucket) == []
+
+
+def test_downloads_read_one_version_in_parallel_ranges(store: S3Store, source: Path, tmp_path: Path) -> None:
+    store.put_file_if_absent("k", source)
+    ranges: list[str] = []
+    _on(store, "GetObject", lambda request, **_: ranges.append(_header(request, "Range")))
+    got = store.get_to_file("k", tmp_path / "out", sha256=hashlib.sha256(source.read_bytes()).hexdigest())
+    assert got.size == SIZE and (tmp_path / "out").read_bytes() == source.read_bytes()
+    assert sorted(ranges) == sorted(f"bytes={n * PART}-{min((n + 1) * PART, SIZE) - 1}" for n in range(3))
+
+
+def test_an_object_replaced_mid_download_is_refused(
+    store: S3Store, source: Path, tmp_path: Path, raw: Any, s3_bucket: str
+) -> None:
+    store.put_file_if_absent("k", source)
+    replaced: list[int] = []
+
+    def replace(request: Any, **_: Any) -> None:
+        if _header(request, "Range").startswith("bytes=0-") and not replaced:
+            replaced.append(1)
+        elif replaced == [1]:  # after the first range: another writer replaces the object
+            replaced.append(2)
+            raw.put_object(Bucket=s3_bucket, Key="big/k", Body=b"other bytes")
+
+    _on(store, "GetObject", replace)
+    with pytest.raises(StorageUnavailable, match="replaced"):
+        store.get_to_file("k", tmp_path / "out")
+    assert os.listdir(tmp_path) == [source.name]
