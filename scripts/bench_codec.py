@@ -716,7 +716,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--transitions", type=int, default=None, help="transitions per corpus at most")
     parser.add_argument("--synthetic-gb", type=float, default=None, help="size of the synthetic model (default 1.0)")
     parser.add_argument("--synthetic-pct", type=float, default=0.35, help="share of BF16 values one step changes")
-    parser.add_argument("--sweep", type=float, nargs="*", default=None, help="more shares (%%) on the synthetic model")
+    parser.add_argument(
+        "--sweep",
+        type=float,
+        nargs="*",
+        default=None,
+        help="more shares (%%) on the synthetic model [default, and a bare --sweep: 0.1 1.0; --quick: none]",
+    )
     parser.add_argument("--repeat", type=int, default=None, help="timed runs per figure; the best counts (default 2)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--warm", action="store_true", help="do not evict the CPU caches before timed runs")
@@ -724,7 +730,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--skip-synthetic", action="store_true", help="only the corpora")
     args = parser.parse_args(argv)
     args.repeat = args.repeat or (1 if args.quick else 2)
-    args.sweep = args.sweep if args.sweep is not None else ([] if args.quick else [0.1, 1.0])
+    # A bare --sweep asks for the sweep, not for none of it.
+    args.sweep = args.sweep or ([] if args.quick and args.sweep is None else [0.1, 1.0])
     if not args.warm:
         EVICT.enable()
     codecs = todays_codecs()
