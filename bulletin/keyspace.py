@@ -6,12 +6,18 @@
     <run>/manifests/<version:020d>.json                 one per committed version
     <run>/patches/<version:020d>/<sha256>.bpatch        shards of the transition version-1 -> version
     <run>/keyframes/<version:020d>-<writer>/<file>      safetensors files (+ HF index) of a keyframe
+    <run>/files/<version:020d>/<sha256>                 a model file (config, tokenizer, ...) first
+                                                       published with that version; later ones name it too
     <run>/signatures/<manifest sha256>.json             detached signature of one manifest's exact bytes
 
 Versions are zero-padded so that a lexicographic listing is a numeric one. Patch
 shards are named by their content digest and keyframes by their writer, so two
 trainers racing for the same version never write the same key with different
-bytes: the loser's objects are orphans that ``gc`` removes.
+bytes: the loser's objects are orphans that ``gc`` removes. Model files are named by
+their content digest under the version that first uploaded them, and versions whose
+files did not change name the same objects: a file is uploaded once, and since a
+publisher reuses only its parent's objects (never one that ``gc`` could be removing as
+unreferenced), a collection never races a commit that names an old object.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ __all__ = [
     "HEAD",
     "MANIFESTS",
     "check_run_name",
+    "file_key",
     "keyframe_prefix",
     "manifest_key",
     "parse_manifest_key",
@@ -40,9 +47,10 @@ MANIFESTS: Final = "manifests/"
 PATCHES: Final = "patches/"
 KEYFRAMES: Final = "keyframes/"
 SIGNATURES: Final = "signatures/"
+FILES: Final = "files/"
 _RUN_RE: Final = re.compile(RUN_NAME_PATTERN)
 _MANIFEST_RE: Final = re.compile(r"^manifests/(\d{20})\.json$")
-_DATA_RE: Final = re.compile(r"^(?:patches|keyframes)/(\d{20})(?:-[0-9a-f]+)?/")
+_DATA_RE: Final = re.compile(r"^(?:patches|keyframes|files)/(\d{20})(?:-[0-9a-f]+)?/")
 
 
 def check_run_name(run: str) -> str:
@@ -77,6 +85,11 @@ def keyframe_prefix(version: int, writer: str) -> str:
     return f"{KEYFRAMES}{version:020d}-{writer}"
 
 
+def file_key(version: int, sha256: str) -> str:
+    """A model file's object: its bytes' digest, under the version that first uploaded them."""
+    return f"{FILES}{version:020d}/{sha256}"
+
+
 def signature_key(manifest_digest: str) -> str:
     """A manifest's detached signature, named by the digest of the bytes it signs: writers
     racing for one version never write one key with different bytes."""
@@ -84,6 +97,6 @@ def signature_key(manifest_digest: str) -> str:
 
 
 def version_of_data_key(relative_key: str) -> int | None:
-    """The version a patch or keyframe object belongs to, or None for other keys."""
+    """The version a patch, keyframe or file object was written with, or None for other keys."""
     match = _DATA_RE.match(relative_key)
     return int(match.group(1)) if match else None

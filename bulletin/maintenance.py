@@ -14,6 +14,7 @@ from bulletin.storage import get_many, require_writable
 from bulletin.sync import SyncPlan, execute
 from bulletin.target import ArrayTarget, Held
 from schemas.common import MAX_DOCUMENT_BYTES
+from schemas.manifest import FileRef, manifest_files
 
 __all__ = ["GcReport", "LogEntry", "VerifyReport", "collect_garbage", "log", "verify"]
 
@@ -73,6 +74,8 @@ class VerifyReport:
     versions: int = 0
     keyframes: int = 0
     transitions: int = 0
+    files: int = 0
+    """Model file objects checked (each distinct one once: size and SHA-256)."""
     bytes_read: int = 0
     head_version: int | None = None
     problems: list[str] = field(default_factory=list)
@@ -85,10 +88,10 @@ class VerifyReport:
 def verify(run: Run, *, progress: Callable[[int], None] | None = None) -> VerifyReport:
     """Check the whole run: every digest, every link of the hash chain, the head, and
     every version's bits (rebuilt from the oldest keyframe, fingerprints recomputed in
-    full). Under ``run``'s trust policy, also the head's signature and every manifest's
-    own (an audit: each version is checked by itself, not through the chain). Problems
-    are collected, not raised; reconstruction restarts at the next keyframe after a
-    broken version."""
+    full) and model files (each object read and checked once). Under ``run``'s trust
+    policy, also the head's signature and every manifest's own (an audit: each version
+    is checked by itself, not through the chain). Problems are collected, not raised;
+    reconstruction restarts at the next keyframe after a broken version."""
     report = VerifyReport()
     trust, run = run.trust, Run(run.store, run.name, max_workers=run.max_workers)  # read all; judge below
     versions = run.versions()
@@ -128,6 +131,7 @@ def verify(run: Run, *, progress: Callable[[int], None] | None = None) -> Verify
         previous = stored
     target = ArrayTarget()
     held: Held | None = None
+    checked_files: dict[str, str | None] = {}
     for stored in manifests:
         try:
             if held is not None and stored.manifest.patch is not None and held.version == stored.version - 1:
@@ -154,9 +158,30 @@ def verify(run: Run, *, progress: Callable[[int], None] | None = None) -> Verify
         except BulletinError as exc:
             report.problems.append(f"version {stored.version}: {exc.code}: {exc}")
             held = None
+        _verify_files(run, stored, report, checked_files)
         if progress is not None:
             progress(stored.version)
     return report
+
+
+def _verify_files(run: Run, stored: StoredManifest, report: VerifyReport, checked: dict[str, str | None]) -> None:
+    """Read and check the model file objects of ``stored`` not checked yet (``checked``:
+    key -> the problem found, or None)."""
+    refs: dict[str, FileRef] = {}
+    for ref in manifest_files(stored.manifest):
+        if ref.key not in checked:
+            refs.setdefault(ref.key, ref)
+    for key, ref in refs.items():
+        try:
+            report.bytes_read += len(run.download([ref])[0])
+            checked[key] = None
+        except BulletinError as exc:
+            checked[key] = f"{exc.code}: {exc}"
+        report.files += 1
+    for ref in manifest_files(stored.manifest):
+        problem = checked.get(ref.key)
+        if problem is not None:
+            report.problems.append(f"version {stored.version}: file {ref.path!r}: {problem}")
 
 
 @dataclass(slots=True)
@@ -181,7 +206,8 @@ def collect_garbage(
     """Keep the newest ``keep`` versions syncable; remove everything older.
 
     The kept range is widened down to the newest keyframe at or below its oldest
-    version, so a fresh node can always start. Objects no kept manifest names
+    version, so a fresh node can always start. Model file objects a kept manifest names
+    are kept whatever version first uploaded them. Objects no kept manifest names
     (left by crashed or losing publishers) are removed once older than ``grace``,
     so a publish in flight is never touched. Manifests go before the data they name,
     and before their detached signatures (removed with them, and when orphaned by a
@@ -210,10 +236,11 @@ def collect_garbage(
         m = s.manifest
         referenced.update(run.key(r.key) for r in (m.patch.shards if m.patch else ()))
         referenced.update(run.key(r.key) for r in (m.keyframe.files if m.keyframe else ()))
+        referenced.update(run.key(r.key) for r in manifest_files(m))
     report = GcReport(floor=floor, tip=tip, dry_run=dry_run)
     report.deleted_manifests = [run.key(f"manifests/{v:020d}.json") for v in versions if v < floor]
     cutoff = datetime.now(UTC) - grace
-    for prefix in ("patches/", "keyframes/"):
+    for prefix in (keyspace.PATCHES, keyspace.KEYFRAMES, keyspace.FILES):
         for info in run.objects(prefix):
             if info.key in referenced:
                 continue

@@ -5,8 +5,8 @@
 >>> for report in mirror.follow(interval=2.0):
 ...     print("mirrored", report.to_version)
 
-A mirror copies verbatim and never writes a document of its own: every patch shard and
-keyframe file byte for byte, then the manifest's detached signature when there is one,
+A mirror copies verbatim and never writes a document of its own: every patch shard,
+keyframe file and model file byte for byte, then the manifest's detached signature when there is one,
 then the manifest itself, create-only, in version order; after the last version, the
 origin's head bytes (a signed head included, which the mirror could not sign again),
 moved by compare-and-swap and only forward. Before a manifest is created every object
@@ -56,7 +56,7 @@ from bulletin.sources import open_run
 from bulletin.storage import Conflicted, ObjectData, Store, Updated, open_store, require_writable
 from schemas.common import MAX_DOCUMENT_BYTES
 from schemas.head import parse_head
-from schemas.manifest import Manifest, ObjectRef, parse_manifest
+from schemas.manifest import Manifest, ObjectRef, manifest_files, parse_manifest
 
 if TYPE_CHECKING:
     from bulletin.signing import TrustPolicy
@@ -101,11 +101,17 @@ def _store(store: str | os.PathLike[str] | Store) -> Store:
 
 
 def _object_refs(manifest: Manifest) -> list[ObjectRef]:
-    """Every data object the manifest names: its patch shards and keyframe files (of any
-    manifest version a reader understands: ``Manifest`` is their union)."""
+    """Every data object the manifest names: its patch shards, keyframe files and model
+    files (of any manifest version a reader understands: ``Manifest`` is their union).
+    A model file named by several versions is one object, listed once per manifest."""
     refs = list(manifest.patch.shards) if manifest.patch is not None else []
     if manifest.keyframe is not None:
         refs.extend(manifest.keyframe.files)
+    seen = {ref.key for ref in refs}
+    for ref in manifest_files(manifest):
+        if ref.key not in seen:
+            seen.add(ref.key)
+            refs.append(ref)
     return refs
 
 
@@ -149,6 +155,8 @@ class Mirror:
         # (version, digest) of the newest version this object copied or found the same in
         # both stores: no need to read the origin's manifest again to compare them.
         self._checked: tuple[int, str] | None = None
+        #: Model file objects found (or put) in the mirror, checked, by this object.
+        self._files_checked: set[str] = set()
 
     @property
     def name(self) -> str:
@@ -316,7 +324,10 @@ class Mirror:
                 f"{self.name}: the origin's version {version} does not chain to the version {version - 1} "
                 "mirrored: the origin was rewritten; a mirror never follows that (recreate it)"
             )
-        self._copy_objects(_object_refs(manifest), report)
+        # A model file that several versions name is checked in the mirror once per Mirror.
+        refs = [ref for ref in _object_refs(manifest) if ref.key not in self._files_checked]
+        self._copy_objects(refs, report)
+        self._files_checked.update(ref.key for ref in manifest_files(manifest))
         if signature is not None:
             self._create(keyspace.signature_key(digest), signature, "signature")
         self._create(keyspace.manifest_key(version), data, "manifest")

@@ -13,6 +13,12 @@ its manifest (the commit point), then the head moves. Version 1, every
 stored in full as plain safetensors. A restarted trainer resumes from the run's
 newest version by reconstructing it, so the chain continues without a gap.
 
+A version may carry the model's non-tensor files (``files=``: config, tokenizer, ...;
+:mod:`bulletin.model_files`), which every node folder then holds beside the tensors.
+They are sticky: a publish without ``files`` keeps the previous version's, and a file
+whose bytes did not change is never uploaded again (the new manifest names the object
+its parent named).
+
 A publish that fails leaves the publisher consistent: the base of the next diff is
 still the last committed version. One whose commit failed with its outcome unknown
 (``StorageUnavailable``: the manifest may have been created, its response lost) is
@@ -32,6 +38,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 from types import TracebackType
 from typing import Any, Final, Self
 
@@ -50,10 +57,11 @@ from bulletin.errors import (
     StorageUnavailable,
     VersionConflict,
 )
-from bulletin.keyspace import keyframe_prefix, patch_shard_key
+from bulletin.keyspace import file_key, keyframe_prefix, patch_shard_key
+from bulletin.model_files import ModelFiles, select_model_files, with_served_dtype
 from bulletin.run import Run, StoredManifest, sha256_hex
 from bulletin.signing import Signer
-from bulletin.snapshot import Snapshot, snapshot
+from bulletin.snapshot import Snapshot, cast_served, snapshot
 from bulletin.storage import Store, open_store, require_writable
 from bulletin.sync import check_chain, execute, plan
 from bulletin.target import ArrayTarget, Held
@@ -64,18 +72,26 @@ from patcher.encode import encode, encode_smallest
 from patcher.fingerprint import fingerprint, format_fingerprint
 from patcher.patch import Patch, TensorDelta, TensorSpec
 from schemas.manifest import (
+    FileRef,
     KeyframeRef,
     ManifestV1,
     ManifestV2,
+    ManifestV3,
     ObjectRef,
     PatchRef,
     PatchRefV2,
     TensorEntry,
     VersionStats,
     check_metadata,
+    manifest_files,
 )
 
-__all__ = ["PublishResult", "Publisher"]
+__all__ = ["FilesArg", "PublishResult", "Publisher"]
+
+#: What ``files=`` takes: checked files, a mapping of relative path -> bytes, a checkpoint
+#: folder (its files by the default rule of :func:`~bulletin.model_files.select_model_files`),
+#: or None: the previous version's files.
+FilesArg = ModelFiles | Mapping[str, bytes] | str | os.PathLike[str] | None
 
 _DEFAULT_SHARD_BYTES: Final = 64 << 20
 _DEFAULT_KEYFRAME_FILE_BYTES: Final = 1 << 30
@@ -92,16 +108,23 @@ class PublishResult:
     patch_bytes: int
     keyframe_bytes: int
     manifest_digest: str
+    files: tuple[str, ...] = ()
+    """Paths of the version's model files (the previous version's when none were given)."""
+    files_uploaded: int = 0
+    """Bytes of model files uploaded for it: 0 when they did not change."""
+    notes: tuple[str, ...] = ()
+    """What was changed on the way, to tell the user (``config.json``'s dtype rewritten)."""
 
 
 @dataclass(slots=True)
 class _Kept:
-    """The last published version: its bits, fingerprints and manifest."""
+    """The last published version: its bits, fingerprints, files and manifest."""
 
     specs: dict[str, TensorSpec]
     bits: dict[str, NDArray[np.unsignedinteger]]
     fingerprints: dict[str, int]
     stored: StoredManifest
+    files: tuple[FileRef, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,9 +135,22 @@ class _Pending:
     specs: dict[str, TensorSpec]
     bits: dict[str, NDArray[np.unsignedinteger]]
     fingerprints: dict[str, int]
+    files_uploaded: int
+    notes: tuple[str, ...]
 
 
-def _result(manifest: ManifestV1, stored: StoredManifest) -> PublishResult:
+@dataclass(frozen=True, slots=True)
+class _Files:
+    """The model files a publish was given (None: the previous version's) and the notes
+    their preparation left."""
+
+    files: ModelFiles | None
+    notes: tuple[str, ...] = ()
+
+
+def _result(
+    manifest: ManifestV1, stored: StoredManifest, *, files_uploaded: int = 0, notes: tuple[str, ...] = ()
+) -> PublishResult:
     stats = manifest.stats
     return PublishResult(
         version=manifest.version,
@@ -124,7 +160,18 @@ def _result(manifest: ManifestV1, stored: StoredManifest) -> PublishResult:
         patch_bytes=stats.patch_bytes,
         keyframe_bytes=stats.keyframe_bytes,
         manifest_digest=stored.digest,
+        files=tuple(f.path for f in manifest_files(manifest)),
+        files_uploaded=files_uploaded,
+        notes=notes,
     )
+
+
+def _as_model_files(files: FilesArg) -> ModelFiles | None:
+    if files is None or isinstance(files, ModelFiles):
+        return files
+    if isinstance(files, str | os.PathLike):
+        return select_model_files(files)
+    return ModelFiles.of(files)
 
 
 class Publisher:
@@ -178,8 +225,8 @@ class Publisher:
         self._device = DeviceKept(dtype)
         self._next_version = 1
         self._prepared_specs: dict[str, TensorSpec] | None = None
-        self._queue: queue.Queue[tuple[Snapshot, dict[str, str], Future[PublishResult], int] | None] = queue.Queue(
-            maxsize=queue_size
+        self._queue: queue.Queue[tuple[Snapshot, dict[str, str], _Files, Future[PublishResult], int] | None] = (
+            queue.Queue(maxsize=queue_size)
         )
         self._worker: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -203,43 +250,80 @@ class Publisher:
 
     # -- public API --------------------------------------------------------------------
 
-    def publish(self, state_dict: Mapping[str, Any], *, metadata: Mapping[str, str] | None = None) -> int:
-        """Publish synchronously; returns the new version number."""
+    def publish(
+        self, state_dict: Mapping[str, Any], *, metadata: Mapping[str, str] | None = None, files: FilesArg = None
+    ) -> int:
+        """Publish synchronously; returns the new version number.
+
+        ``files``: the version's model files (:data:`FilesArg`; None keeps the previous
+        version's). Floating tensors are served as ``dtype``, and so a ``config.json``
+        among them names ``dtype`` (:func:`~bulletin.model_files.with_served_dtype`; the
+        result's ``notes`` say what changed)."""
         self._check_open()
         self.flush()
         checked = check_metadata(metadata or {})  # bad input changes nothing: checked first
-        return self._publish(self._prepare(state_dict), checked).version
+        given = self._files(files, cast=True)
+        return self._publish(self._prepare(state_dict), checked, given).version
 
     def publish_checkpoint(
-        self, path: str | os.PathLike[str], *, metadata: Mapping[str, str] | None = None
+        self,
+        path: str | os.PathLike[str],
+        *,
+        metadata: Mapping[str, str] | None = None,
+        files: FilesArg = None,
+        keep_files: bool = False,
+        cast: bool = False,
     ) -> PublishResult:
-        """Publish a safetensors checkpoint (file or directory) as is: its dtypes are served."""
+        """Publish a safetensors checkpoint (file or directory).
+
+        ``cast``: serve floating tensors as ``dtype``, cast exactly as :meth:`publish`
+        casts them (:func:`~bulletin.snapshot.cast_served`), with ``config.json`` naming
+        it; without, the checkpoint's dtypes are served as they are. ``files``: the
+        version's model files; None takes a directory's own (the default rule of
+        :func:`~bulletin.model_files.select_model_files`), or, for a single file or a
+        directory without any, keeps the previous version's; ``keep_files`` keeps the
+        previous version's whatever the directory holds.
+        """
         self._check_open()
         checked = check_metadata(metadata or {})
+        if keep_files and files is not None:
+            raise ConfigError("give files or keep_files, not both")
+        if files is None and not keep_files and Path(path).is_dir():
+            selected = select_model_files(path)
+            files = selected if len(selected) else None
+        given = self._files(files, cast=cast)
         self.flush()
         with Checkpoint(path) as ckpt:
             specs = ckpt.specs
-            bits = {name: np.array(ckpt.bits(name), copy=True) for name in specs}
+            bits: dict[str, NDArray[np.unsignedinteger]] = {}
+            for name, spec in specs.items():
+                if cast:
+                    dtype, bits[name] = cast_served(ckpt.bits(name), spec.dtype, self.dtype)
+                    specs[name] = TensorSpec(name, dtype, spec.shape)
+                else:
+                    bits[name] = np.array(ckpt.bits(name), copy=True)
         self._ready()
         self._next_version += 1
         self._prepared_specs = specs
-        return self._publish(Snapshot(specs, bits, {}), checked)
+        return self._publish(Snapshot(specs, bits, {}), checked, given)
 
     def publish_async(
-        self, state_dict: Mapping[str, Any], *, metadata: Mapping[str, str] | None = None
+        self, state_dict: Mapping[str, Any], *, metadata: Mapping[str, str] | None = None, files: FilesArg = None
     ) -> Future[PublishResult]:
         """Snapshot now (a cast copy), publish in the background; blocks only when the
-        bounded queue is full. Errors surface from the future and from flush/close."""
+        bounded queue is full. Errors surface from the future and from flush/close.
+        ``files`` as for :meth:`publish` (read now)."""
         self._check_open()
         self._raise_background_error()
         checked = check_metadata(metadata or {})
+        given = self._files(files, cast=True)
         epoch = self._epoch  # read before _prepare: a failure from now on refuses this snapshot
         snap = self._prepare(state_dict)
         future: Future[PublishResult] = Future()
         if self._worker is None:
             self._worker = threading.Thread(target=self._drain, name=f"bulletin-publish-{self.run}", daemon=True)
             self._worker.start()
-        self._queue.put((snap, checked, future, epoch))
+        self._queue.put((snap, checked, given, future, epoch))
         return future
 
     def refresh_head(self) -> bool:
@@ -286,6 +370,15 @@ class Publisher:
         if self._closed:
             raise InvalidInput("this Publisher is closed")
 
+    def _files(self, files: FilesArg, *, cast: bool) -> _Files:
+        """``files`` checked (before anything is snapshotted or uploaded), with
+        ``config.json`` naming the served dtype when floating tensors are cast to it."""
+        given = _as_model_files(files)
+        if given is None or not cast:
+            return _Files(given)
+        served, notes = with_served_dtype(given, self.dtype)
+        return _Files(served, notes)
+
     def _raise_background_error(self) -> None:
         if self._error is not None:
             error, self._error = self._error, None
@@ -297,12 +390,12 @@ class Publisher:
             try:
                 if item is None:
                     return
-                snap, metadata, future, epoch = item
+                snap, metadata, files, future, epoch = item
                 if epoch != self._epoch:  # keep order: nothing taken before a failed version
                     future.set_exception(self._epoch_error or InternalError("a publish failed"))
                     continue
                 try:
-                    future.set_result(self._publish(snap, metadata))
+                    future.set_result(self._publish(snap, metadata, files))
                 except BaseException as exc:
                     if self._error is None:
                         self._error = exc
@@ -349,7 +442,8 @@ class Publisher:
         """A committed version's bits, reconstructed from the run."""
         held = ArrayTarget()
         execute(self._run, plan(self._run, stored, None), held, None)
-        return _Kept(dict(stored.manifest.specs), dict(held.arrays), dict(stored.manifest.fingerprints), stored)
+        fps = dict(stored.manifest.fingerprints)
+        return _Kept(dict(stored.manifest.specs), dict(held.arrays), fps, stored, manifest_files(stored.manifest))
 
     def _failure(self, exc: BaseException) -> None:
         """A publish failed after its snapshot: the device's kept bits and the version
@@ -376,8 +470,11 @@ class Publisher:
                 self._pending = None
                 raise
             self._pending = None
-            self._kept = _Kept(pending.specs, pending.bits, pending.fingerprints, stored)
-            self.results.append(_result(pending.manifest, stored))
+            files = manifest_files(pending.manifest)
+            self._kept = _Kept(pending.specs, pending.bits, pending.fingerprints, stored, files)
+            self.results.append(
+                _result(pending.manifest, stored, files_uploaded=pending.files_uploaded, notes=pending.notes)
+            )
         kept = self._kept
         tip = self._run.tip()
         # A newer version is another writer's. A run rolled back or rewritten under the
@@ -415,14 +512,14 @@ class Publisher:
             message = f"{exc}; this publisher cannot continue (a new Publisher resumes from the run's tip)"
             raise type(exc)(message) from None
 
-    def _publish(self, snap: Snapshot, metadata: dict[str, str]) -> PublishResult:
+    def _publish(self, snap: Snapshot, metadata: dict[str, str], files: _Files) -> PublishResult:
         try:
-            return self._publish_once(snap, metadata)
+            return self._publish_once(snap, metadata, files)
         except BaseException as exc:
             self._failure(exc)
             raise
 
-    def _publish_once(self, snap: Snapshot, metadata: dict[str, str]) -> PublishResult:
+    def _publish_once(self, snap: Snapshot, metadata: dict[str, str], files: _Files) -> PublishResult:
         if not self._resumed:
             self._resume()
         kept = self._kept
@@ -441,8 +538,22 @@ class Publisher:
             raise InternalError("a keyframe version was diffed on the device")
         patch_ref = self._upload_patch(version, patch, kept, snap) if kept is not None and patch is not None else None
         keyframe_ref = self._upload_keyframe(version, snap) if is_keyframe else None
-        # A context-coded patch needs a reader that knows it: spec_version 2; all else stays 1.
-        manifest_type: type[ManifestV1] = ManifestV2 if isinstance(patch_ref, PatchRefV2) else ManifestV1
+        file_refs, files_uploaded = self._upload_files(version, kept, files.files)
+        # Write the oldest spec_version that says it all: 3 for files, 2 for a context-coded
+        # patch, else 1, so that readers that predate them keep reading the rest.
+        extra: dict[str, Any] = {}
+        manifest_type: type[ManifestV1] = ManifestV1
+        if file_refs:
+            manifest_type, extra = ManifestV3, {"files": file_refs}
+            if patch_ref is not None and not isinstance(patch_ref, PatchRefV2):
+                patch_ref = PatchRefV2(
+                    codec=patch_ref.codec,
+                    shards=patch_ref.shards,
+                    changed_elements=patch_ref.changed_elements,
+                    context=None,
+                )
+        elif isinstance(patch_ref, PatchRefV2):
+            manifest_type = ManifestV2
         manifest = manifest_type(
             run=self.run,
             version=version,
@@ -463,18 +574,42 @@ class Publisher:
                 keyframe_bytes=sum(r.size for r in keyframe_ref.files) if keyframe_ref else 0,
             ),
             metadata=metadata,
+            **extra,
         )
         try:
             stored = self._run.commit(manifest)  # raises VersionConflict for a stale trainer
         except StorageUnavailable as exc:
             if not isinstance(exc, AccessDenied):  # the manifest may exist: settled next time
-                self._pending = _Pending(manifest, dict(snap.specs), snap.bits, fps)
+                self._pending = _Pending(manifest, dict(snap.specs), snap.bits, fps, files_uploaded, files.notes)
             raise
         # Host bits of tensors diffed on the device go stale; the device keeps them.
-        self._kept = _Kept(dict(snap.specs), snap.bits, fps, stored)
-        result = _result(manifest, stored)
+        self._kept = _Kept(dict(snap.specs), snap.bits, fps, stored, file_refs)
+        result = _result(manifest, stored, files_uploaded=files_uploaded, notes=files.notes)
         self.results.append(result)
         return result
+
+    def _upload_files(
+        self, version: int, kept: _Kept | None, files: ModelFiles | None
+    ) -> tuple[tuple[FileRef, ...], int]:
+        """The version's file refs, and the bytes uploaded for them: the parent's refs when
+        no files were given; otherwise one per file, naming the object the parent named for
+        the same bytes (nothing uploaded) or a new one, uploaded create-only now."""
+        previous = kept.files if kept is not None else ()
+        if files is None:
+            return previous, 0
+        by_digest = {ref.sha256: ref for ref in previous}
+        refs: list[FileRef] = []
+        items: dict[str, bytes] = {}
+        for path, content in files.files.items():
+            digest = sha256_hex(content)
+            known = by_digest.get(digest)
+            key = known.key if known is not None else file_key(version, digest)
+            if known is None:
+                items[key] = content
+            refs.append(FileRef(path=path, key=key, size=len(content), sha256=digest))
+        if items:
+            self._run.upload(items, self._on_bytes)
+        return tuple(refs), sum(len(content) for content in items.values())
 
     def _diff(self, kept: _Kept, snap: Snapshot) -> Patch:
         """The patch from the kept version to ``snap``: host tensors diffed here (the

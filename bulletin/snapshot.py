@@ -26,7 +26,7 @@ from patcher.dtypes import FLOAT_DTYPES, SERVED_FLOAT_DTYPES
 from patcher.names import check_tensor_name
 from patcher.patch import HostChange, TensorSpec
 
-__all__ = ["Snapshot", "snapshot"]
+__all__ = ["Snapshot", "cast_served", "snapshot"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +64,31 @@ def _numpy_bits(value: NDArray[Any], served: str) -> tuple[str, NDArray[np.unsig
             raise UnsupportedDtype(f"NumPy {value.dtype} arrays cannot be cast to {served}: pass float32")
         return served, cast_bits(array.view(np.uint32), "F32", served)
     return name, np.array(as_bits(array), copy=True)
+
+
+def cast_served(bits: NDArray[np.unsignedinteger], dtype: str, served: str) -> tuple[str, NDArray[np.unsignedinteger]]:
+    """A private copy of one tensor's bits (of safetensors dtype ``dtype``) as
+    :func:`snapshot` serves them: a floating tensor cast to ``served`` exactly as a state
+    dict's would be (F32 by :func:`patcher.cast.cast_bits`, the twin of torch's rounding;
+    other floating dtypes by torch itself, ``Tensor.to``), anything else as it is.
+    Returns the served dtype name and the bits. Casting from BF16, F16 or F64 needs
+    torch (``UnsupportedDtype`` without it)."""
+    if served not in SERVED_FLOAT_DTYPES:
+        raise UnsupportedDtype(f"served dtype must be one of {', '.join(SERVED_FLOAT_DTYPES)}, not {served!r}")
+    if dtype not in FLOAT_DTYPES or dtype == served:
+        return dtype, np.array(bits, copy=True)
+    if dtype == "F32":
+        return served, cast_bits(np.ascontiguousarray(bits).view(np.uint32), "F32", served)
+    try:
+        import torch
+    except ImportError:
+        raise UnsupportedDtype(
+            f"casting {dtype} tensors to {served} needs torch (pip install torch), which rounds them as a "
+            "trainer's state dict is rounded; or serve them as they are"
+        ) from None
+    signed = np.ascontiguousarray(bits).view(f"<i{bits.dtype.itemsize}")  # torch has no unsigned 16/32/64 views
+    cast = torch.from_numpy(signed).view(torch_dtype(dtype)).to(torch_dtype(served))
+    return served, np.array(as_bits(cast), copy=True)
 
 
 def _storage_key(value: Any) -> tuple[Any, ...] | None:

@@ -9,7 +9,10 @@ touches the target. ``run`` is what the manifests and objects are read from: one
 :class:`~bulletin.run.Run`, or several stores holding copies of the run
 (:class:`~bulletin.sources.Sources`, the same reads with fallback). The target
 checks base fingerprints, applies in place and verifies the result; the version
-becomes current only when it matches the manifest's fingerprints exactly.
+becomes current only when it matches the manifest's fingerprints exactly. The
+version's model files (FORMAT.md 5.1) are staged on the target just before it is
+activated (:meth:`~bulletin.target.WeightTarget.stage_files`), which downloads, checked,
+only those it lacks.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from patcher.fingerprint import fingerprint, format_fingerprint
 from patcher.fold import fold
 from patcher.format import DEFAULT_LIMITS, ShardHeader, TensorInfo
 from patcher.patch import Patch, TensorSpec, check_layout
-from schemas.manifest import PatchRefV2
+from schemas.manifest import FileRef, PatchRefV2, manifest_files
 
 __all__ = ["SyncPlan", "SyncReport", "check_chain", "execute", "plan"]
 
@@ -77,6 +80,8 @@ class SyncReport:
     download_s: float = 0.0
     decode_s: float = 0.0
     apply_s: float = 0.0
+    files_downloaded: int = 0
+    """Model files downloaded (the target lacked them); their bytes count in ``bytes_downloaded``."""
 
 
 def check_chain(run: Reader, held: Held, target: StoredManifest, *, tip: bool) -> None:
@@ -306,8 +311,35 @@ def _check_held_layout(step: StoredManifest, layout: Mapping[str, TensorSpec] | 
         raise IncompatibleTensors(f"version {step.version}: the manifest's tensors are not the ones held")
 
 
-def _apply_and_activate(target: WeightTarget, stored: StoredManifest, apply: Callable[[], dict[str, int]]) -> None:
-    """Apply, check the result against the manifest, activate; put the target back on failure."""
+def _stage_files(
+    run: Reader,
+    stored: StoredManifest,
+    target: WeightTarget,
+    report: SyncReport,
+    on_bytes: Callable[[int], None] | None,
+) -> None:
+    """Hand the target the model files of ``stored``'s version; what it fetches is
+    downloaded checked (sizes and SHA-256 against the manifest) and counted."""
+
+    def fetch(refs: Sequence[FileRef]) -> list[bytes]:
+        t0 = time.perf_counter()
+        blobs = run.download(refs, on_bytes)
+        report.download_s += time.perf_counter() - t0
+        report.bytes_downloaded += sum(len(b) for b in blobs)
+        report.files_downloaded += len(blobs)
+        return blobs
+
+    target.stage_files(manifest_files(stored.manifest), fetch)
+
+
+def _apply_and_activate(
+    target: WeightTarget,
+    stored: StoredManifest,
+    apply: Callable[[], dict[str, int]],
+    stage_files: Callable[[], None],
+) -> None:
+    """Apply, check the result against the manifest, stage the version's model files,
+    activate; put the target back on failure."""
     try:
         new_fps = apply()
         expected = stored.manifest.fingerprints
@@ -317,6 +349,7 @@ def _apply_and_activate(target: WeightTarget, stored: StoredManifest, apply: Cal
                 f"version {stored.version}: bits after apply do not match the manifest "
                 f"({', '.join(bad)}; got {[format_fingerprint(new_fps.get(n, 0)) for n in bad]})"
             )
+        stage_files()
         target.activate(stored.version, manifest_digest=stored.digest)
     except BaseException:
         target.abort()  # put back what the target held before
@@ -370,6 +403,7 @@ def execute(
         t1 = time.perf_counter()
         try:
             target.load_full(tensors, sync_plan.keyframe.manifest.specs)
+            _stage_files(run, sync_plan.keyframe, target, report, on_bytes)
             target.activate(sync_plan.keyframe.version, manifest_digest=sync_plan.keyframe.digest)
         except BaseException:
             target.abort()
@@ -395,6 +429,10 @@ def execute(
     report.bytes_downloaded += sum(len(b) for b in blobs)
     t1 = time.perf_counter()
     held_fps = current.fingerprints
+
+    def stage() -> None:
+        _stage_files(run, sync_plan.target, target, report, on_bytes)
+
     counts: list[int] = []  # shards of each transition
     for step in sync_plan.patches:
         if step.manifest.patch is None:
@@ -419,7 +457,7 @@ def execute(
         report.transitions = 1
         report.changed_elements = sum(info.changed for info in infos.values())
         t2 = time.perf_counter()
-        _apply_and_activate(target, sync_plan.target, lambda: target.apply_shards(blobs, held_fps))
+        _apply_and_activate(target, sync_plan.target, lambda: target.apply_shards(blobs, held_fps), stage)
     else:
         resolver = target if target.resolves_context else None
         context = None if resolver is not None else target.context_bits() or keyframe_bits
@@ -429,7 +467,7 @@ def execute(
         report.transitions = len(sync_plan.patches)
         report.changed_elements = folded.changed_elements
         t2 = time.perf_counter()
-        _apply_and_activate(target, sync_plan.target, lambda: target.apply(folded, held_fps))
+        _apply_and_activate(target, sync_plan.target, lambda: target.apply(folded, held_fps), stage)
     report.apply_s += time.perf_counter() - t2
     if on_activate is not None:
         on_activate(sync_plan.target)

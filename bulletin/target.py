@@ -16,6 +16,8 @@ that callers read instead of probing. In the order a Subscriber calls it::
     apply_shards(shards, fps)     the same from encoded shards (if supports_shards)
     resolve_context(changes, ...) -> a context-coded transition's patch, resolved
                                   against the bits where they live (if resolves_context)
+    stage_files(files, fetch)     optional: the version's model files (config, tokenizer);
+                                  folders hold them, other targets ignore them
     abort()                       undo a load or apply that will not be activated
     activate(version, *, manifest_digest=None)
                                   make it live and durable (engine reload, state file)
@@ -29,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -51,9 +54,11 @@ from bulletin.checkpoint import Checkpoint, write_checkpoint
 from bulletin.errors import (
     BulletinError,
     ConfigError,
+    DigestMismatch,
     FormatError,
     IncompatibleTensors,
     InvalidInput,
+    LocalStorageError,
     ReplicaBusy,
 )
 from bulletin.fileio import atomic_file, fsync_dir, local_error, os_errors, stage_file, write_atomic
@@ -67,7 +72,8 @@ from patcher.fingerprint import fingerprint, format_fingerprint, parse_fingerpri
 from patcher.format import TensorInfo
 from patcher.patch import Patch, TensorSpec
 from schemas.common import parse_document
-from schemas.local_state import JournalV1, LocalStateV1
+from schemas.local_state import JournalV1, LocalStateV1, LocalStateV2, local_state_files, parse_local_state
+from schemas.manifest import MAX_FILE_BYTES, FileRef
 
 if TYPE_CHECKING:
     from bulletin.run import StoredManifest
@@ -77,6 +83,8 @@ __all__ = ["ArrayTarget", "Held", "LocalDirTarget", "WeightTarget", "read_local_
 log = logging.getLogger("bulletin.target")
 
 Bits = NDArray[np.unsignedinteger]
+#: Downloads model files (checked against their refs' sizes and SHA-256), in order.
+FetchFiles = Callable[[Sequence[FileRef]], Sequence[bytes]]
 #: A change an ArrayTarget applied: a decoded patch, or the shards it applied straight from.
 _Applied = Patch | Sequence[bytes]
 
@@ -210,6 +218,15 @@ class WeightTarget(ABC):
         it); durable targets record it, so that :meth:`restored` reports it after a
         restart, and in-memory ones may keep it for their lifetime."""
 
+    def stage_files(self, files: Sequence[FileRef], fetch: FetchFiles) -> None:
+        """The version about to be activated has exactly these model files (config,
+        tokenizer, ...; docs/FORMAT.md 5.1; none: it has none). Called after
+        :meth:`load_full` / :meth:`apply` and before :meth:`activate`, which commits them
+        with the tensors; :meth:`abort` drops them. ``fetch`` downloads the ones the target
+        lacks, checked. Default: ignored, for targets that are not folders (live tensors,
+        host arrays); an engine target backed by a folder passes them on to it."""
+        return
+
     def abort(self) -> None:
         """Drop a load or apply that will not be activated, restoring the bits of the
         version activated last where the target can. Default: nothing to undo."""
@@ -336,7 +353,7 @@ def read_local_state(directory: str | os.PathLike[str], *, run: str | None = Non
         return None
     except OSError as exc:
         raise local_error(exc, f"cannot read {path}") from exc
-    state = parse_document(LocalStateV1, data, source=f"{path} (local state)")
+    state = parse_local_state(data, source=f"{path} (local state)")
     if run is not None and state.run is not None and state.run != run:
         raise ConfigError(f"{folder} holds run {state.run!r}, not {run!r}")
     return state
@@ -346,6 +363,26 @@ def read_local_state(directory: str | os.PathLike[str], *, run: str | None = Non
 _TEMP_NAME = re.compile(r"\.(state\.json|journal\.json|journal\.npz|current)\.tmp(-\d+)?")
 #: Model folders LocalDirTarget names (``model-`` and 12 hex digits).
 _MODEL_NAME = re.compile(r"model-[0-9a-f]{12}")
+#: Temp names of bulletin.fileio's atomic writes (a model file, a kept copy).
+_ATOMIC_TEMP = re.compile(r"\..+\.tmp-\d+")
+_DIGEST = re.compile(r"[0-9a-f]{64}")
+
+
+def _file_digest(path: Path) -> str | None:
+    """SHA-256 of a regular file (not a link) of at most MAX_FILE_BYTES, or None."""
+    try:
+        info = os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    if not os.path.isfile(path) or os.path.islink(path) or info.st_size > MAX_FILE_BYTES:
+        return None
+    with os_errors(f"cannot read {path}"):
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _is_tensor_file(name: str) -> bool:
+    lower = name.lower()
+    return lower.endswith(".safetensors") or lower.endswith(".safetensors.index.json")
 
 
 class LocalDirTarget(WeightTarget):
@@ -354,9 +391,13 @@ class LocalDirTarget(WeightTarget):
     Layout::
 
         state.json        LocalStateV1: version, fingerprints, which model folder
+                          (LocalStateV2 when the version has model files: their digests)
         current ->        symlink to the model folder state.json names (point engines here)
-        model-<id>/       model.safetensors (+ HF index when split), and .bulletin-model,
+        model-<id>/       model.safetensors (+ HF index when split), the version's model
+                          files (config.json, tokenizer files, ...), and .bulletin-model,
                           the mark of a folder this class created
+        files/<sha256>    a copy of each model file of the version held (and of one being
+                          staged): what a model folder's files are restored from
         journal.json/.npz present only while an in-place apply runs (undo data)
         .bulletin-lock    the writer's lock (it records the writer's process id)
 
@@ -380,14 +421,24 @@ class LocalDirTarget(WeightTarget):
       the previous version in force (:meth:`abort` puts its bits back); a step after it
       that fails is logged, not raised, and redone by the next open.
 
+    **Model files** (:meth:`stage_files`) are copied into the working folder before the
+    commit, each from a verified copy kept under ``files/`` (fsynced first): a new
+    folder gets all of them, the held folder, changed in place, the ones that differ
+    (and loses the ones the new version does not have). Without :meth:`stage_files`, a
+    version keeps the files held (a keyframe's new folder gets copies). Copies of files
+    no longer held go once the version that dropped them is committed.
+
     Every open under the lock finishes what a killed writer left: it writes the undo
     data back if ``state.json`` still names the version the journal started from,
-    points ``current`` at the folder ``state.json`` names, and removes temp files and
-    the marked folders it does not name. Whatever instant a writer died at, the folder
-    then holds exactly the version ``state.json`` names, bit for bit, and ``current``
-    resolves to it. Nothing this class did not create is removed: a folder without the
-    mark stays (an empty one with this class's naming, from a crash between creating it
-    and marking it, is the exception).
+    points ``current`` at the folder ``state.json`` names, makes that folder's model
+    files exactly those ``state.json`` lists (byte for byte, from the kept copies;
+    removing files a change not committed had added, which are known by their copies),
+    and removes temp files, unneeded copies and the marked folders it does not name.
+    Whatever instant a writer died at, the folder then holds exactly the version
+    ``state.json`` names, bit for bit, files included, and ``current`` resolves to it.
+    Nothing this class did not create is removed: a folder without the mark stays (an
+    empty one with this class's naming, from a crash between creating it and marking
+    it, is the exception), and so does a file a user put into a model folder.
 
     **Failures are typed.** The disk's refusals are
     :class:`~bulletin.errors.LocalStorageError` kinds (``DiskFull``, ``ReadOnlyStorage``,
@@ -402,6 +453,7 @@ class LocalDirTarget(WeightTarget):
     CURRENT = "current"
     LOCK = ".bulletin-lock"
     MARKER = ".bulletin-model"
+    FILES = "files"
 
     def __init__(self, directory: str | os.PathLike[str], *, run: str | None = None) -> None:
         self.dir = Path(directory)
@@ -411,11 +463,18 @@ class LocalDirTarget(WeightTarget):
         self._pending: tuple[str, Checkpoint] | None = None
         self._pending_fps: dict[str, int] | None = None
         self._journaled = False  # an in-place apply since the last activation wrote the journal
+        #: Model files of the version held (path -> sha256), and of the one staged (None:
+        #: the same as held).
+        self._files: dict[str, str] = {}
+        self._pending_files: dict[str, str] | None = None
+        #: Why the held folder's model files could not be made exact (None: they are).
+        self._files_lost: str | None = None
         with os_errors(f"cannot create the replica folder {self.dir}"):
             self.dir.mkdir(parents=True, exist_ok=True)
         self._unlock: Callable[[], None] = self._lock()
         try:
             self._state = self._read_state()
+            self._files = local_state_files(self._state) if self._state is not None else {}
             self._recover()
             if self._state is not None:
                 self._checkpoint = Checkpoint(self.dir / self._state.model_dir, writable=True)
@@ -491,6 +550,14 @@ class LocalDirTarget(WeightTarget):
             self._roll_back()
             if self._state is not None:
                 self._point_current(self._state.model_dir)
+                missing = self._sync_files(self._state.model_dir, self._files)
+                if missing:
+                    self._files_lost = (
+                        f"model files {missing[:3]} of version {self._state.version} are damaged or gone, "
+                        "with no intact copy kept"
+                    )
+                    log.warning("%s: %s; the next sync rebuilds the folder from a keyframe", self.dir, self._files_lost)
+            self._drop_copies(set(self._files.values()))
             keep = self._state.model_dir if self._state is not None else None
             for entry in list(os.scandir(self.dir)):
                 if entry.is_dir(follow_symlinks=False):
@@ -587,11 +654,127 @@ class LocalDirTarget(WeightTarget):
                 raise
             log.warning("%s", exc)
 
+    # -- model files ---------------------------------------------------------------------
+
+    def _copy(self, digest: str) -> bytes | None:
+        """The kept copy of the model file with this SHA-256, checked, or None."""
+        path = self.dir / self.FILES / digest
+        try:
+            with os_errors(f"cannot read {path}"):
+                data = path.read_bytes()
+        except LocalStorageError as exc:
+            if isinstance(exc.__cause__, FileNotFoundError | NotADirectoryError | IsADirectoryError):
+                return None
+            raise
+        return data if hashlib.sha256(data).hexdigest() == digest else None
+
+    def _copies(self) -> set[str]:
+        folder = self.dir / self.FILES
+        with os_errors(f"cannot list {folder}"):
+            if not folder.is_dir():
+                return set()
+            return {entry.name for entry in os.scandir(folder) if _DIGEST.fullmatch(entry.name)}
+
+    def _drop_copies(self, keep: set[str]) -> None:
+        """Remove the kept copies (and temp files) of model files not in ``keep``."""
+        folder = self.dir / self.FILES
+        with os_errors(f"cannot tidy {folder}"):
+            if not folder.is_dir():
+                return
+            for entry in list(os.scandir(folder)):
+                if entry.name not in keep and not entry.is_dir(follow_symlinks=False):
+                    os.unlink(entry.path)
+            if not keep and not any(folder.iterdir()):
+                folder.rmdir()
+
+    def _sync_files(self, model_dir: str, files: Mapping[str, str]) -> list[str]:
+        """Make ``model_dir`` hold exactly ``files`` (path -> sha256) beside its tensors:
+        each written from its kept copy unless it already has those bytes, and every other
+        file this class put there removed (a file with a kept copy's digest, or a temp
+        file of one); anything else a user left stays. Returns the paths it could not
+        provide (no intact copy)."""
+        folder = self.dir / model_dir
+        touched: set[Path] = set()
+        missing: list[str] = []
+        with os_errors(f"cannot write the model files of {folder}"):
+            for path, digest in sorted(files.items()):
+                dest = folder / path
+                if _file_digest(dest) == digest:
+                    continue
+                data = self._copy(digest)
+                if data is None:
+                    missing.append(path)
+                    continue
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                write_atomic(dest, [data], sync_dir=False)
+                touched.add(dest.parent)
+            ours = self._copies()
+            for root, dirs, names in os.walk(folder, topdown=False):
+                base = Path(root)
+                for name in names:
+                    rel = (base / name).relative_to(folder).as_posix()
+                    if rel in files or rel == self.MARKER or (base == folder and _is_tensor_file(name)):
+                        continue
+                    if _ATOMIC_TEMP.fullmatch(name) or (ours and _file_digest(base / name) in ours):
+                        os.unlink(base / name)
+                        touched.add(base)
+                for name in dirs:  # a folder emptied here (of a nested file removed)
+                    sub = base / name
+                    if sub in touched and not os.path.islink(sub) and not any(sub.iterdir()):
+                        sub.rmdir()
+                        touched.add(base)
+            for where in touched:
+                if where.is_dir():
+                    fsync_dir(where)
+        return missing
+
+    def stage_files(self, files: Sequence[FileRef], fetch: FetchFiles) -> None:
+        """Copy the version's model files into the folder being staged: those it lacks are
+        fetched (``fetch`` checks them; they are checked again here) and kept under
+        ``files/`` (fsynced) first. Nothing held changes before :meth:`activate`: a crash
+        or :meth:`abort` puts the held version's files back."""
+        wanted = {f.path: f.sha256 for f in files}
+        in_place = self._state is not None and (self._pending is None or self._pending[0] == self._state.model_dir)
+        if in_place and wanted == self._files and self._files_lost is None:
+            return  # the steady state: the held folder keeps its files, checked when opened
+        held = self._copies()
+        needed: dict[str, FileRef] = {}
+        for ref in files:
+            if ref.sha256 not in needed and (ref.sha256 not in held or self._copy(ref.sha256) is None):
+                needed[ref.sha256] = ref
+        if needed:
+            store = self.dir / self.FILES
+            with os_errors(f"cannot create {store}"):
+                store.mkdir(exist_ok=True)
+            for ref, data in zip(needed.values(), fetch(list(needed.values())), strict=True):
+                if len(data) != ref.size or hashlib.sha256(data).hexdigest() != ref.sha256:
+                    raise DigestMismatch(f"{ref.key} ({ref.path}): not the bytes the manifest promises")
+                write_atomic(store / ref.sha256, [data])
+        if self._pending is None:  # only the files change: stage the held folder as it is
+            if self._state is None or self._checkpoint is None:
+                raise InvalidInput("nothing is held yet: load a keyframe first")
+            self._pending = (self._state.model_dir, self._checkpoint)
+            self._pending_fps = dict(Held.recorded(self._state).fingerprints)
+        model_dir, _ = self._pending
+        self._pending_files = wanted  # from here on abort puts the held files back
+        missing = self._sync_files(model_dir, wanted)
+        if missing:
+            raise LocalStorageError(f"{self.dir}: the kept copies of {missing[:3]} cannot be read back")
+
+    # -- what is held --------------------------------------------------------------------
+
     def layout(self) -> Mapping[str, TensorSpec] | None:
         return self._checkpoint.specs if self._checkpoint is not None else None
 
     def restored(self) -> Held | None:
+        if self._files_lost is not None:
+            return None  # not an exact version: a keyframe route rebuilds the folder
         return Held.recorded(self._state) if self._state is not None else None
+
+    @property
+    def files(self) -> Mapping[str, str]:
+        """The model files of the version held: path -> SHA-256."""
+        return dict(self._files)
 
     @property
     def staged_path(self) -> Path:
@@ -617,12 +800,15 @@ class LocalDirTarget(WeightTarget):
                 os.mkdir(folder)
                 os.close(os.open(folder / self.MARKER, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
             write_checkpoint(folder, specs, tensors)
+            # The files held go to the new folder too (stage_files may replace them).
+            missing = self._sync_files(name, self._files)
             ckpt = Checkpoint(folder, writable=True)
         except BaseException:
             self._remove_model(name, quiet=True)  # nothing half-written stays behind
             raise
         self._pending = (name, ckpt)
         self._pending_fps = None
+        self._pending_files = {path: digest for path, digest in self._files.items() if path not in missing}
 
     def _working(self) -> tuple[str, Checkpoint]:
         if self._pending is not None:
@@ -692,14 +878,17 @@ class LocalDirTarget(WeightTarget):
         fps = self._pending_fps
         if fps is None:
             fps = {name: fingerprint(ckpt.bits(name)) for name in ckpt.specs}
-        state = LocalStateV1(
-            run=self.run,
-            version=version,
-            model_dir=model_dir,
-            fingerprints={n: format_fingerprint(fp) for n, fp in sorted(fps.items())},
-            manifest_digest=manifest_digest,
-            updated_at=datetime.now(UTC),
-        )
+        files = dict(sorted((self._pending_files if self._pending_files is not None else self._files).items()))
+        # A version without model files keeps state.json at spec_version 1 (older readers).
+        fields: dict[str, Any] = {
+            "run": self.run,
+            "version": version,
+            "model_dir": model_dir,
+            "fingerprints": {n: format_fingerprint(fp) for n, fp in sorted(fps.items())},
+            "manifest_digest": manifest_digest,
+            "updated_at": datetime.now(UTC),
+        }
+        state = LocalStateV2(**fields, files=files) if files else LocalStateV1(**fields)
         # Everything that can fail is staged before the commit point: the state file
         # (fsynced, under a temp name) and the new `current` link.
         state_path = self.dir / self.STATE
@@ -717,11 +906,14 @@ class LocalDirTarget(WeightTarget):
             raise
         old = self._state.model_dir if self._state else None
         self._state = state
+        self._files = files
+        self._files_lost = None
         if self._checkpoint is not None and self._checkpoint is not ckpt:
             self._checkpoint.close()
         self._checkpoint = ckpt
         self._pending = None
         self._pending_fps = None
+        self._pending_files = None
         self._journaled = False
         self._settle(link_tmp, None if old == model_dir else old)
 
@@ -739,6 +931,7 @@ class LocalDirTarget(WeightTarget):
                 self._drop_journal()
             if replaced is not None:
                 self._remove_model(replaced)
+            self._drop_copies(set(self._files.values()))
         except (BulletinError, OSError) as exc:
             log.warning(
                 "%s: version %s is committed, but tidying up failed (the next open finishes it): %s",
@@ -766,7 +959,12 @@ class LocalDirTarget(WeightTarget):
         with os_errors(f"cannot restore {self.dir}"):
             self._roll_back()
         self._journaled = False
+        held = self._state.model_dir if self._state is not None else None
+        if self._pending_files is not None and self._pending is not None and self._pending[0] == held and held:
+            self._sync_files(held, self._files)  # model files changed in the held folder: back
+        self._pending_files = None
         self._discard_pending()
+        self._drop_copies(set(self._files.values()))
 
     def close(self) -> None:
         """Release the files and the folder's lock (idempotent). A change not activated

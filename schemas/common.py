@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Annotated, Final, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
@@ -21,6 +22,7 @@ __all__ = [
     "TensorName",
     "VersionNumber",
     "parse_document",
+    "parse_versioned",
 ]
 
 #: Run names are one path segment: letters, digits, ``.``, ``_``, ``-``; 1-128 long.
@@ -113,3 +115,20 @@ def parse_document(model: type[_D], data: bytes, *, source: str) -> _D:
         return model.model_validate_json(data)
     except ValidationError as exc:
         raise FormatError(f"{source}: invalid {kind.removeprefix('bulletin.')}: {exc.errors()[0]['msg']}") from exc
+
+
+def parse_versioned(models: Sequence[type[_D]], data: bytes, *, source: str) -> _D:
+    """:func:`parse_document` for a document of any of ``models`` (one per format version,
+    oldest first): the one whose ``spec_version`` it carries. A version none of them has
+    is ``UnsupportedFormatVersion`` naming the versions known."""
+    for model in models:
+        try:
+            return parse_document(model, data, source=source)
+        except UnsupportedFormatVersion:
+            continue
+    kind: str = models[0].model_fields["format"].default
+    known = ", ".join(str(m.model_fields["spec_version"].default) for m in models)
+    raise UnsupportedFormatVersion(
+        f"{source}: this {kind.removeprefix('bulletin.')}'s spec_version is not supported by this reader "
+        f"(knows {known}); upgrade bulletin"
+    )

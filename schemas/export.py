@@ -14,8 +14,8 @@ from typing import Final
 from pydantic import BaseModel
 
 from schemas.head import HeadV1, HeadV2
-from schemas.local_state import JournalV1, LocalStateV1
-from schemas.manifest import ManifestV1, ManifestV2
+from schemas.local_state import JournalV1, LocalStateV1, LocalStateV2
+from schemas.manifest import ManifestV1, ManifestV2, ManifestV3
 from schemas.signature import SignatureV1
 
 __all__ = ["DOCUMENTS", "SCHEMA_DIR", "render", "write"]
@@ -26,10 +26,12 @@ SCHEMA_DIR: Final = Path(__file__).parent / "json"
 DOCUMENTS: Final[dict[str, type[BaseModel]]] = {
     "manifest.v1.schema.json": ManifestV1,
     "manifest.v2.schema.json": ManifestV2,
+    "manifest.v3.schema.json": ManifestV3,
     "head.v1.schema.json": HeadV1,
     "head.v2.schema.json": HeadV2,
     "signature.v1.schema.json": SignatureV1,
     "local-state.v1.schema.json": LocalStateV1,
+    "local-state.v2.schema.json": LocalStateV2,
     "journal.v1.schema.json": JournalV1,
 }
 

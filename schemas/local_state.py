@@ -5,6 +5,8 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Literal
 
+from pydantic import Field, model_validator
+
 from schemas.common import (
     Document,
     Fingerprint,
@@ -13,9 +15,11 @@ from schemas.common import (
     Sha256,
     TensorName,
     VersionNumber,
+    parse_versioned,
 )
+from schemas.manifest import MAX_FILES, FilePath
 
-__all__ = ["JournalV1", "LocalStateV1"]
+__all__ = ["JournalV1", "LocalState", "LocalStateV1", "LocalStateV2", "local_state_files", "parse_local_state"]
 
 
 class LocalStateV1(Document):
@@ -38,6 +42,38 @@ class LocalStateV1(Document):
     unless the node opts in). Absent (null) in states written before it was recorded,
     or for versions activated without a manifest (an offline checkpoint)."""
     updated_at: datetime
+
+
+class LocalStateV2(LocalStateV1):
+    """``state.json`` of a version that has model files (docs/FORMAT.md 9): LocalStateV1
+    and the files the model folder holds beside the tensors. Written only for such a
+    version, so that a reader of spec_version 1 keeps reading the rest."""
+
+    spec_version: Literal[2] = 2  # type: ignore[assignment]
+    """Format version of this document."""
+    files: dict[FilePath, Sha256] = Field(min_length=1, max_length=MAX_FILES)
+    """Path in the model folder -> SHA-256 of its exact bytes, as verified at activation."""
+
+    @model_validator(mode="after")
+    def _files_sorted(self) -> LocalStateV2:
+        if list(self.files) != sorted(self.files):
+            raise ValueError("files must be sorted by path")
+        return self
+
+
+#: A node's state file, of any version this reader knows.
+LocalState = LocalStateV1 | LocalStateV2
+
+
+def local_state_files(state: LocalStateV1) -> dict[str, str]:
+    """The model files ``state`` records (path -> sha256): none before spec_version 2."""
+    return dict(state.files) if isinstance(state, LocalStateV2) else {}
+
+
+def parse_local_state(data: bytes, *, source: str) -> LocalStateV1:
+    """Validate ``state.json`` bytes of spec_version 1 or 2 (``FormatError`` /
+    ``UnsupportedFormatVersion`` as :func:`schemas.common.parse_document`)."""
+    return parse_versioned((LocalStateV1, LocalStateV2), data, source=source)
 
 
 class JournalV1(Document):

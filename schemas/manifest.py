@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from datetime import datetime
 from functools import cached_property
 from types import MappingProxyType
-from typing import Annotated, Literal
+from typing import Annotated, Final, Literal
 
-from pydantic import Field, TypeAdapter, ValidationError, model_validator
+from pydantic import AfterValidator, Field, TypeAdapter, ValidationError, model_validator
 
 from patcher.compression import Codec, PatchCodec
-from patcher.errors import InvalidInput, UnsupportedFormatVersion
+from patcher.errors import InvalidInput
 from patcher.fingerprint import parse_fingerprint
 from patcher.patch import TensorSpec
 from schemas.common import (
@@ -22,7 +23,7 @@ from schemas.common import (
     Sha256,
     TensorName,
     VersionNumber,
-    parse_document,
+    parse_versioned,
 )
 
 #: Free-form trainer annotations: keys up to 256 characters, values up to 4096.
@@ -42,19 +43,101 @@ def check_metadata(metadata: Mapping[str, str]) -> dict[str, str]:
 
 
 __all__ = [
+    "MAX_FILES",
+    "MAX_FILES_BYTES",
+    "MAX_FILE_BYTES",
+    "FilePath",
+    "FileRef",
     "KeyframeRef",
     "Manifest",
     "ManifestV1",
     "ManifestV2",
+    "ManifestV3",
     "Metadata",
     "ObjectRef",
     "PatchRef",
     "PatchRefV2",
     "TensorEntry",
     "VersionStats",
+    "check_file_path",
+    "check_files",
     "check_metadata",
+    "manifest_files",
     "parse_manifest",
 ]
+
+#: Model files of one version (docs/FORMAT.md 5.1): at most this many, ...
+MAX_FILES: Final = 256
+#: ... each at most this large (a 256k-vocabulary tokenizer.json is about 33 MiB) ...
+MAX_FILE_BYTES: Final = 64 << 20
+#: ... and all of them together at most this large.
+MAX_FILES_BYTES: Final = 256 << 20
+_FILE_SEGMENT: Final = re.compile(r"[A-Za-z0-9_+-][A-Za-z0-9._+-]{0,127}")
+_MAX_FILE_PATH: Final = 255
+_MAX_FILE_DEPTH: Final = 8
+
+
+def _reserved(path: str) -> str | None:
+    """Why ``path`` is Bulletin's own in a model folder (its tensor files), or None."""
+    name = path.lower()
+    if name.endswith(".safetensors") or name.endswith(".safetensors.index.json"):
+        return "names a tensor file (Bulletin writes the model folder's safetensors files and their index)"
+    return None
+
+
+def check_file_path(path: str) -> str:
+    """A model file's path (FORMAT.md 5.1): relative, ``/``-separated, 1-8 segments of
+    ``[A-Za-z0-9._+-]`` (none starting with ``.``), at most 255 bytes, not a tensor file's
+    name. ``ValueError`` with the rule broken."""
+    if not isinstance(path, str) or not path:
+        raise ValueError("a file path is a non-empty string")
+    if len(path) > _MAX_FILE_PATH:
+        raise ValueError(f"file path {path[:64]!r}... is longer than {_MAX_FILE_PATH} characters")
+    segments = path.split("/")
+    if len(segments) > _MAX_FILE_DEPTH:
+        raise ValueError(f"file path {path!r} is nested deeper than {_MAX_FILE_DEPTH} folders")
+    for segment in segments:
+        if not _FILE_SEGMENT.fullmatch(segment):
+            raise ValueError(
+                f"file path {path!r}: each '/'-separated part must be 1-128 of A-Z a-z 0-9 . _ + -, "
+                "not starting with '.' (no absolute paths, no '..', no hidden files)"
+            )
+    reason = _reserved(path)
+    if reason is not None:
+        raise ValueError(f"file path {path!r} {reason}")
+    return path
+
+
+FilePath = Annotated[str, AfterValidator(check_file_path)]
+"""A model file's path relative to the model folder (:func:`check_file_path`)."""
+
+
+def check_files(paths_and_sizes: Mapping[str, int]) -> None:
+    """The rules a version's files obey together (FORMAT.md 5.1): at most ``MAX_FILES``,
+    each at most ``MAX_FILE_BYTES`` and all at most ``MAX_FILES_BYTES``, no two paths the
+    same but for case (case-insensitive file systems), no path a folder of another.
+    ``ValueError`` with the rule broken."""
+    if len(paths_and_sizes) > MAX_FILES:
+        raise ValueError(f"{len(paths_and_sizes)} files; a version holds at most {MAX_FILES}")
+    total = 0
+    for path, size in paths_and_sizes.items():
+        if size > MAX_FILE_BYTES:
+            raise ValueError(f"file {path!r} has {size} bytes; each file is at most {MAX_FILE_BYTES}")
+        total += size
+    if total > MAX_FILES_BYTES:
+        raise ValueError(f"the files hold {total} bytes together; a version's are at most {MAX_FILES_BYTES}")
+    folded: dict[str, str] = {}
+    for path in paths_and_sizes:
+        other = folded.setdefault(path.lower(), path)
+        if other != path:
+            raise ValueError(f"file paths {other!r} and {path!r} differ only by case")
+    for path in paths_and_sizes:
+        parts = path.lower().split("/")
+        for depth in range(1, len(parts)):
+            folder = "/".join(parts[:depth])
+            if folder in folded:
+                raise ValueError(f"file path {folded[folder]!r} is also a folder of {path!r}")
+
 
 DtypeName = Literal[
     "BOOL", "U8", "I8", "F8_E4M3", "F8_E5M2", "U16", "I16", "F16", "BF16",
@@ -84,6 +167,16 @@ class ObjectRef(Document):
     """Exact size in bytes."""
     sha256: Sha256
     """SHA-256 of the object's bytes."""
+
+
+class FileRef(ObjectRef):
+    """One model file of the version (config, tokenizer, ...): where it goes in the model
+    folder, and the immutable object holding its bytes (FORMAT.md 5.1)."""
+
+    path: FilePath
+    """Path relative to the model folder, ``/``-separated."""
+    size: Annotated[int, Field(ge=0, le=MAX_FILE_BYTES)]
+    """Exact size in bytes."""
 
 
 class PatchRef(Document):
@@ -216,20 +309,51 @@ class ManifestV2(ManifestV1):
     """Transition from the parent; null for the first version or a layout change."""
 
 
+_FILE_KEY: Final = re.compile(r"files/(\d{20})/([0-9a-f]{64})")
+
+
+class ManifestV3(ManifestV2):
+    """ManifestV2 with the version's model files (docs/FORMAT.md 5.1): config, generation
+    config, tokenizer files, ... that a node folder holds beside the tensors. Written only
+    for a version that has files, so that every reader of spec_version 1 and 2 keeps
+    reading the rest. Code typed with ManifestV1 accepts it (a subclass); a V3 patch is a
+    :class:`PatchRefV2` whatever its codec (``context`` null unless context coded)."""
+
+    spec_version: Literal[3] = 3  # type: ignore[assignment]
+    """Format version of this document."""
+    files: tuple[FileRef, ...] = Field(min_length=1, max_length=MAX_FILES)
+    """Every model file of the version, sorted by path; each object is
+    ``files/<V>/<sha256>``, V the version that first uploaded those bytes (at most this one)."""
+
+    @model_validator(mode="after")
+    def _files_consistent(self) -> ManifestV3:
+        paths = [f.path for f in self.files]
+        if paths != sorted(paths) or len(set(paths)) != len(paths):
+            raise ValueError("files must be sorted by path and unique")
+        check_files({f.path: f.size for f in self.files})
+        for f in self.files:
+            match = _FILE_KEY.fullmatch(f.key)
+            if match is None or match.group(2) != f.sha256 or int(match.group(1)) > self.version:
+                raise ValueError(
+                    f"file {f.path!r}: its key must be files/<version, at most {self.version}, 20 digits>/<its sha256>"
+                )
+        return self
+
+
+def manifest_files(manifest: ManifestV1) -> tuple[FileRef, ...]:
+    """The model files of a manifest's version: a V3 manifest's ``files``, none for the others."""
+    return manifest.files if isinstance(manifest, ManifestV3) else ()
+
+
+#: Manifest models by ``spec_version``, oldest first (the order they are tried in).
+_MANIFESTS: Final[tuple[type[ManifestV1], ...]] = (ManifestV1, ManifestV2, ManifestV3)
+
+
 def parse_manifest(data: bytes, *, source: str = "manifest") -> ManifestV1:
-    """Validate manifest bytes of any version this reader knows (1 or 2); raises
+    """Validate manifest bytes of any version this reader knows (1, 2 or 3); raises
     ``FormatError`` / ``UnsupportedFormatVersion`` (:func:`schemas.common.parse_document`)."""
-    try:
-        return parse_document(ManifestV1, data, source=source)
-    except UnsupportedFormatVersion:
-        pass
-    try:
-        return parse_document(ManifestV2, data, source=source)
-    except UnsupportedFormatVersion:
-        raise UnsupportedFormatVersion(
-            f"{source}: this manifest's spec_version is not supported by this reader (knows 1 and 2); upgrade bulletin"
-        ) from None
+    return parse_versioned(_MANIFESTS, data, source=source)
 
 
 #: Every manifest version a reader understands, by its ``spec_version``.
-Manifest = Annotated[ManifestV1 | ManifestV2, Field(discriminator="spec_version")]
+Manifest = Annotated[ManifestV1 | ManifestV2 | ManifestV3, Field(discriminator="spec_version")]

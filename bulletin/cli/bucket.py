@@ -18,7 +18,15 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from bulletin.cli.options import signing_option, store_options, stores_options, trust_options
+from bulletin.cli.options import (
+    SERVED_DTYPES,
+    dtype_option,
+    files_options,
+    signing_option,
+    store_options,
+    stores_options,
+    trust_options,
+)
 from bulletin.cli.output import Output, human_bytes, json_option, pass_output
 from bulletin.errors import InvalidInput
 from patcher.compression import AUTO_CODEC, PUBLISH_CODECS
@@ -99,6 +107,8 @@ def _age(created: datetime) -> str:
     help="Patch codec: auto (context, the smallest, unless zstd is smaller), context, zstd or lz4.",
 )
 @click.option("--meta", multiple=True, metavar="KEY=VALUE", help="Annotation stored in the manifest.")
+@dtype_option
+@files_options
 @signing_option
 @json_option
 @pass_output
@@ -110,9 +120,18 @@ def publish_command(
     keyframe_every: int,
     codec: str,
     meta: tuple[str, ...],
+    dtype: str,
+    files: bool,
+    include_files: tuple[str, ...],
+    exclude_files: tuple[str, ...],
     signing_key: Path | None,
 ) -> None:
-    """Publish a safetensors checkpoint (file or directory) as the run's next version."""
+    """Publish a safetensors checkpoint (file or directory) as the run's next version.
+
+    A directory's model files (config, generation config, tokenizer files, chat
+    template) are published with it, once: every node folder then holds them beside
+    the tensors. Files left out (pickled weights, code, ...) are listed."""
+    from bulletin.model_files import TENSORS, select_model_files
     from bulletin.publisher import Publisher
     from bulletin.signing import load_signer
 
@@ -122,17 +141,28 @@ def publish_command(
         if not sep or not key:
             raise InvalidInput(f"--meta wants KEY=VALUE, got {item!r}")
         metadata[key] = value
+    selected = (
+        select_model_files(checkpoint, include=include_files, exclude=exclude_files)
+        if files and checkpoint.is_dir()
+        else None
+    )
+    skipped = dict(selected.skipped) if selected is not None else {}
     t0 = time.perf_counter()
     with _byte_progress(out, "uploading") as on_bytes:
         pub = Publisher(
             store,
             run,
+            dtype=SERVED_DTYPES.get(dtype, "BF16"),  # keep: nothing is cast
             keyframe_every=keyframe_every,
             codec=codec,
             on_bytes=on_bytes,
             signing_key=load_signer(signing_key),
         )
-        result = pub.publish_checkpoint(checkpoint, metadata=metadata)
+        # No files (--no-files, a single file, a weights-only folder): the previous version's.
+        given = selected if selected is not None and len(selected) else None
+        result = pub.publish_checkpoint(
+            checkpoint, metadata=metadata, files=given, keep_files=given is None, cast=dtype != "keep"
+        )
         pub.close()
     data = {
         "run": run,
@@ -144,6 +174,11 @@ def publish_command(
         "patch_bytes": result.patch_bytes,
         "keyframe_bytes": result.keyframe_bytes,
         "manifest_digest": result.manifest_digest,
+        "dtype": dtype,
+        "files": list(result.files),
+        "files_uploaded": result.files_uploaded,
+        "files_skipped": skipped,
+        "notes": list(result.notes),
     }
 
     def human() -> None:
@@ -153,8 +188,23 @@ def publish_command(
             f"{run}: published version {result.version} ({kind}; patch {human_bytes(result.patch_bytes)}, "
             f"keyframe {human_bytes(result.keyframe_bytes)}; {pct:.3f}% changed) in {data['seconds']:.2f}s"
         )
+        if result.files:
+            uploaded = human_bytes(result.files_uploaded) if result.files_uploaded else "nothing new"
+            click.echo(f"  model files ({len(result.files)}; {uploaded} uploaded): {', '.join(result.files)}")
+        for note in result.notes:
+            click.echo(f"  note: {note}")
+        for reason, names in _by_reason(skipped).items():
+            if reason != TENSORS:  # the tensors are what was published
+                click.echo(f"  left out ({reason}): {', '.join(names)}")
 
     out.emit(data, human)
+
+
+def _by_reason(skipped: dict[str, str]) -> dict[str, list[str]]:
+    grouped: dict[str, list[str]] = {}
+    for name, reason in skipped.items():
+        grouped.setdefault(reason, []).append(name)
+    return grouped
 
 
 @click.command("sync")
@@ -221,6 +271,7 @@ def sync_command(
             "bytes_downloaded": downloaded,
             "keyframe": report.keyframe if report else None,
             "transitions": report.transitions if report else 0,
+            "files_downloaded": report.files_downloaded if report else 0,
             "changed_elements": report.changed_elements if report else 0,
             "download_s": report.download_s if report else 0.0,
             "decode_s": report.decode_s if report else 0.0,
@@ -377,9 +428,12 @@ def _local_chain(remote: Reader, held: Held, tip: StoredManifest | None) -> dict
 def _rehash_local(local_dir: Path, run: str) -> dict[str, Any] | None:
     """The local copy's bits re-hashed against ``state.json``, reading only (no lock: a
     sync applying in place at the same moment reads as damage; run it between syncs)."""
+    import hashlib
+
     from bulletin.checkpoint import Checkpoint
     from bulletin.target import read_local_state
     from patcher.fingerprint import fingerprint, parse_fingerprint
+    from schemas.local_state import local_state_files
 
     state = read_local_state(local_dir, run=run)
     if state is None:
@@ -389,6 +443,10 @@ def _rehash_local(local_dir: Path, run: str) -> dict[str, Any] | None:
         found = {name: fingerprint(ckpt.bits(name)) for name in ckpt.specs}
     expected = {name: parse_fingerprint(fp) for name, fp in state.fingerprints.items()}
     bad = sorted(n for n in expected.keys() | found.keys() if found.get(n) != expected.get(n))
+    for path, digest in local_state_files(state).items():  # model files, byte for byte
+        file = local_dir / state.model_dir / path
+        if not file.is_file() or hashlib.sha256(file.read_bytes()).hexdigest() != digest:
+            bad.append(f"file {path}")
     return {"version": state.version, "ok": not bad, "mismatched": bad, "seconds": time.perf_counter() - t0}
 
 
@@ -412,6 +470,7 @@ def verify_command(
         "versions": report.versions,
         "keyframes": report.keyframes,
         "transitions": report.transitions,
+        "files": report.files,
         "bytes_read": report.bytes_read,
         "head_version": report.head_version,
         "problems": report.problems,
@@ -421,7 +480,8 @@ def verify_command(
         state = "OK" if report.ok else f"{len(report.problems)} problem(s)"
         click.echo(
             f"{run}: {state}: {report.versions} versions, {report.keyframes} keyframes, "
-            f"{report.transitions} transitions checked ({human_bytes(report.bytes_read)} read)"
+            f"{report.transitions} transitions, {report.files} model files checked "
+            f"({human_bytes(report.bytes_read)} read)"
         )
         for problem in report.problems:
             click.echo(f"  - {problem}")

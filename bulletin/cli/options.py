@@ -25,9 +25,12 @@ import click
 __all__ = [
     "MAX_HEAD_AGE_ENV",
     "RUN_ENV",
+    "SERVED_DTYPES",
     "SIGNING_KEY_FILE_ENV",
     "STORE_ENV",
     "TRUSTED_KEYS_ENV",
+    "dtype_option",
+    "files_options",
     "signing_option",
     "store_options",
     "stores_options",
@@ -113,6 +116,54 @@ def trust_options(func: F) -> F:
         f"--trusted-key [env: {MAX_HEAD_AGE_ENV}].",
     )
     return keys(age(func))
+
+
+#: ``--dtype`` choices that cast floating tensors -> the served dtype (safetensors name);
+#: ``keep`` serves a checkpoint's dtypes as they are. The same names as patcher.dtypes'
+#: SERVED_FLOAT_DTYPES (tests check it), not imported, so that the CLI starts fast.
+SERVED_DTYPES: Final = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}
+
+
+def dtype_option(func: F) -> F:
+    """``--dtype`` (bf16, fp16, fp32 or keep; default bf16), passed as ``dtype``."""
+    return click.option(
+        "--dtype",
+        type=click.Choice([*SERVED_DTYPES, "keep"]),
+        default="bf16",
+        show_default=True,
+        help="Serve floating tensors in this dtype, cast as the Python Publisher casts a state dict "
+        "(round to nearest even), with config.json's torch_dtype/dtype set to it; keep: as stored. "
+        "Keep it the same for the whole run: a version that changes a tensor's dtype is a layout change, "
+        "published as a keyframe.",
+    )(func)
+
+
+def files_options(func: F) -> F:
+    """``--files/--no-files``, ``--include-file GLOB`` and ``--exclude-file GLOB`` (repeatable),
+    passed as ``files``, ``include_files`` and ``exclude_files``."""
+    files = click.option(
+        "--files/--no-files",
+        default=True,
+        show_default=True,
+        help="Publish a checkpoint folder's model files (config, generation config, tokenizer, chat "
+        "template) with the version; without, or when it has none, the version keeps the previous one's.",
+    )
+    include = click.option(
+        "--include-file",
+        "include_files",
+        multiple=True,
+        metavar="GLOB",
+        help="Also publish the folder's top-level files matching GLOB that are left out by default "
+        "(e.g. '*.py' for remote code).",
+    )
+    exclude = click.option(
+        "--exclude-file",
+        "exclude_files",
+        multiple=True,
+        metavar="GLOB",
+        help="Leave out the folder's files matching GLOB.",
+    )
+    return files(include(exclude(func)))
 
 
 def signing_option(func: F) -> F:

@@ -57,9 +57,11 @@ from bulletin.target import Held, WeightTarget
 
 if TYPE_CHECKING:
     from bulletin.subscriber import VerifyReport
+    from bulletin.target import FetchFiles
     from patcher.context_decode import CodedChanges
     from patcher.format import TensorInfo
     from patcher.patch import Patch, TensorSpec
+    from schemas.manifest import FileRef
 
 __all__ = ["PERMANENT_ERRORS", "GateBridge", "GatedTarget", "SubscriberLike", "SyncStatus", "SyncWorker"]
 
@@ -263,6 +265,9 @@ class GatedTarget(WeightTarget):
         result = self.inner.apply_shards(shards, fingerprints)
         self.metrics.apply_seconds.observe(time.perf_counter() - started)
         return result
+
+    def stage_files(self, files: Sequence[FileRef], fetch: FetchFiles) -> None:
+        self.inner.stage_files(files, fetch)  # files on disk: nothing the engine serves changes
 
     def abort(self) -> None:
         self.inner.abort()

@@ -6,6 +6,7 @@ test_s3_run.py (same scenarios, real S3 conditional writes).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -135,7 +136,9 @@ def test_node_killed_at_any_instant_recovers_an_exact_version(tmp_path: Path) ->
 # changes a file (every k of the route, in order) or at a random instant. After each
 # death a locked open (what any next writer does) must leave the folder on an exact
 # version: `current` resolving to the folder state.json names, holding the bits
-# state.json records (fingerprints recomputed), and nothing else in the folder.
+# state.json records (fingerprints recomputed) and that version's model files byte for
+# byte (every route below changes some: added, changed, removed, nested), and nothing else
+# in the folder.
 
 #: name: (version held at the start, None for an empty folder; version synced to)
 ROUTES: dict[str, tuple[int | None, int]] = {
@@ -147,6 +150,22 @@ ROUTES: dict[str, tuple[int | None, int]] = {
 }
 RANDOM_KILLS_PER_ROUTE = 40
 BASE_FILES = {LocalDirTarget.STATE, LocalDirTarget.CURRENT, LocalDirTarget.LOCK}
+
+#: The model files of each version of the crash run: every route changes some.
+_CONFIG = b'{"model_type": "toy", "torch_dtype": "bfloat16"}\n'
+_TOKENIZER = b'{"version": "1.0", "model": {"type": "BPE"}}\n'
+CRASH_FILES: dict[int, dict[str, bytes]] = {
+    1: {"config.json": _CONFIG, "tokenizer.json": _TOKENIZER},
+    2: {"config.json": _CONFIG, "tokenizer.json": _TOKENIZER},
+    3: {"config.json": _CONFIG, "tokenizer.json": _TOKENIZER},
+    4: {"config.json": _CONFIG, "tokenizer.json": _TOKENIZER + b" ", "chat_template.jinja": b"{{ messages }}"},
+    5: {"config.json": _CONFIG.replace(b"toy", b"toy2"), "tokenizer.json": _TOKENIZER + b" "},
+    6: {
+        "config.json": _CONFIG.replace(b"toy", b"toy2"),
+        "tokenizer.json": _TOKENIZER + b" ",
+        "original/tokenizer.model": b"\x00sentencepiece\xff",
+    },
+}
 
 
 class CrashNode:
@@ -187,9 +206,20 @@ def publish_crash_run(url: str) -> dict[int, dict[str, int]]:
         for version in range(1, 7):
             if version > 1:
                 trainer.step(lr=0.05 if version <= 4 else 3e-4)
-            assert pub.publish(trainer.state) == version
+            assert pub.publish(trainer.state, files=CRASH_FILES[version]) == version
             expected[version] = {n: fingerprint(b) for n, b in trainer.served().items()}
     return expected
+
+
+def model_files(folder: Path) -> dict[str, bytes]:
+    """Every file of a model folder but its tensors and mark, by relative path."""
+    out = {}
+    for path in sorted(folder.rglob("*")):
+        rel = path.relative_to(folder).as_posix()
+        if path.is_dir() or rel == LocalDirTarget.MARKER or rel.endswith(".safetensors"):
+            continue
+        out[rel] = path.read_bytes()
+    return out
 
 
 def assert_exact_version(node: Path, expected: dict[int, dict[str, int]], allowed: set[int | None], why: str) -> None:
@@ -210,7 +240,17 @@ def assert_exact_version(node: Path, expected: dict[int, dict[str, int]], allowe
             held = {name: fingerprint(ckpt.bits(name)) for name in ckpt.specs}
         assert held == expected[state.version], f"{why}: the bits in current/ are not version {state.version}"
         assert target.full_fingerprints() == expected[state.version], why
-        assert set(os.listdir(node)) == BASE_FILES | {state.model_dir}, f"{why}: left {sorted(os.listdir(node))}"
+        files = CRASH_FILES[state.version]
+        held_files = model_files(node / LocalDirTarget.CURRENT)
+        assert held_files == files, (
+            f"{why}: the files in current/ are {sorted(held_files)}, not version {state.version}'s"
+        )
+        assert target.files == {p: hashlib.sha256(b).hexdigest() for p, b in files.items()}, why
+        assert sorted(os.listdir(node / LocalDirTarget.FILES)) == sorted(
+            {hashlib.sha256(b).hexdigest() for b in files.values()}
+        ), why
+        base = BASE_FILES | {state.model_dir, LocalDirTarget.FILES}
+        assert set(os.listdir(node)) == base, f"{why}: left {sorted(os.listdir(node))}"
     finally:
         target.close()
 

@@ -54,6 +54,29 @@ def test_versions_publish_and_sync_as_real_checkpoints(s3_url: str, tmp_path: Pa
     assert verify(Run(open_store(s3_url), "run")).ok
 
 
+def test_model_files_travel_through_s3_once(s3_url: str, tmp_path: Path) -> None:
+    from bulletin.maintenance import collect_garbage
+    from schemas.manifest import manifest_files
+
+    files = {"config.json": b'{"model_type": "llama"}', "tokenizer.json": b'{"model": {}}'}
+    with Publisher(s3_url, "files", keyframe_every=2) as pub:
+        for step in range(4):
+            pub.publish(_state(step), files=files if step != 2 else {**files, "tokenizer.json": b"{}"})
+    uploaded = [r.files_uploaded for r in pub.results]
+    # Unchanged: nothing; changed: the new bytes; back to older bytes: uploaded again under
+    # the new version (a publisher names only its parent's objects, never one gc may remove).
+    assert uploaded == [sum(map(len, files.values())), 0, 2, len(files["tokenizer.json"])]
+    with Subscriber(s3_url, "files", tmp_path / "node") as sub:
+        assert sub.sync(2) == 2 and sub.sync() == 4
+    assert (tmp_path / "node" / "current" / "tokenizer.json").read_bytes() == files["tokenizer.json"]
+    run = Run(open_store(s3_url), "files")
+    collect_garbage(run, keep=1, grace=__import__("datetime").timedelta(0))
+    assert verify(run).ok
+    kept = {f.key for v in (3, 4) for f in manifest_files(run.read_manifest(v).manifest)}
+    listed = {info.key[len(run.root) :] for info in run.objects("files/")}
+    assert run.versions() == [3, 4] and listed == kept  # version 1's tokenizer, named by no kept version, went
+
+
 def test_idle_poll_is_one_small_conditional_request(s3_url: str) -> None:
     with Publisher(s3_url, "run") as pub:
         pub.publish(_state(0))

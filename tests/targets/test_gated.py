@@ -4,13 +4,16 @@ every method and capability (no gate is bridged here, so nothing pauses)."""
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import pytest
 from numpy.typing import NDArray
 
+from bulletin import Publisher, Subscriber
 from bulletin.sidecar.worker import GatedTarget
-from bulletin.target import ArrayTarget, WeightTarget
+from bulletin.target import ArrayTarget, LocalDirTarget, WeightTarget
+from tests.run.helpers import ToyTrainer
 from tests.targets.contract import TargetContract
 
 
@@ -37,3 +40,25 @@ def test_the_wrapper_takes_its_capabilities_from_the_inner_target() -> None:
     gated = GatedTarget(ArrayTarget())
     assert gated.supports_shards and gated.in_place
     assert not GatedTarget(ArrayTarget(), in_place=False).in_place
+
+
+def test_the_wrapper_passes_model_files_on_to_a_folder(tmp_path: Path) -> None:
+    """An engine target keeping a folder behind the sidecar's gate gets each version's
+    model files: a version that only changes a file reaches the folder too."""
+    store = tmp_path / "bucket"
+    trainer = ToyTrainer(seed=5)
+    versions = [{"config.json": b'{"a": 1}'}, {"config.json": b'{"a": 2}', "tokenizer.json": b"{}"}]
+    with Publisher(store, "r", keyframe_every=10) as pub:
+        for i, files in enumerate(versions):
+            if i:
+                trainer.step()
+            pub.publish(trainer.state, files=files)
+    node = tmp_path / "node"
+    gated = GatedTarget(LocalDirTarget(node))
+    with Subscriber(store, "r", target=gated) as sub:
+        for version, files in enumerate(versions, start=1):
+            assert sub.sync(version) == version
+            held = {p.name: p.read_bytes() for p in (node / "current").iterdir() if p.suffix == ".json"}
+            held.pop("model.safetensors.index.json", None)
+            assert held == files, version
+    gated.close()
