@@ -115,17 +115,17 @@ def test_a_permanent_incompatibility_stops_the_node_at_once(tmp_path: Path) -> N
         lacking = {**trainer.state_dict(), "model.layers.0.mlp.extra.weight": torch.ones(2)}
         await asyncio.to_thread(pub.publish, lacking)
         async with sidecar(tmp_path, engine, server.url) as (car, client):
-            await until(lambda: car.describe()["not_ready_reason"]["code"] == "incompatible_tensors", "halted")
+            await until(lambda: car.describe()["not_ready_reason"]["code"] == "incompatible_layout", "halted")
             downloaded = car.metrics.bytes_downloaded.value()
             await asyncio.to_thread(pub.publish, lacking)  # a new keyframe: not downloaded again
             await asyncio.sleep(0.5)
             assert car.metrics.bytes_downloaded.value() == downloaded
             async with client.get("/readyz") as resp:
                 body = await resp.json()
-                assert resp.status == 503 and body["not_ready_reason"]["code"] == "incompatible_tensors"
+                assert resp.status == 503 and body["not_ready_reason"]["code"] == "incompatible_layout"
                 assert "extra" in body["not_ready_reason"]["message"]
             async with client.get("/metrics") as resp:
-                assert 'bulletin_not_ready{code="incompatible_tensors"} 1' in await resp.text()
+                assert 'bulletin_not_ready{code="incompatible_layout"} 1' in await resp.text()
         pub.close()
 
     try:
