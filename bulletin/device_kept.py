@@ -1,10 +1,19 @@
-"""The trainer's GPU path: published bits kept on the GPU, diffed there in one pass.
+"""The trainer's GPU path: served bits kept on the GPU, diffed there in one pass.
 
-For a CUDA torch tensor (or a CuPy array) the publisher keeps the last published
-served bits on the same device (two bytes per BF16 parameter) and calls the fused
-``diff_cast`` kernel: cast to the served dtype as torch rounds, compare, compact the
-changed indices and their deltas, update the kept bits. Only the O(changed) result
-crosses to the host; the full tensor does so only for keyframes.
+For a CUDA torch tensor (or a CuPy array) the publisher's base
+(:class:`~bulletin.base.PublishedBase`, the one owner of what the next diff is against)
+keeps the served bits of the last snapshot on the same device (two bytes per BF16
+parameter) and calls the fused ``diff_cast`` kernel: cast to the served dtype as torch
+rounds, compare, compact the changed indices and their deltas, update the kept bits.
+Only the O(changed) result crosses to the host; the full tensor does so only for
+keyframes.
+
+**When the caller may touch its tensors again.** ``diff`` and ``keep`` return only once
+the device has finished reading the tensor: the change (or the host copy) is copied to
+the host, which waits for the kernels that produced it, and so for the read of the
+tensor before them. A caller's later in-place update (an optimizer step on any stream,
+a host write) cannot reach the bits being published. (Returning once the kernels are
+merely queued would be safe only for writes queued on the same stream afterwards.)
 """
 
 from __future__ import annotations
@@ -73,20 +82,17 @@ class DeviceKept:
             fingerprint_delta=result.fingerprint_delta,
         )
 
-    def keep(self, name: str, value: Any) -> NDArray[np.unsignedinteger]:
-        """(Re)start keeping ``value``'s served bits on its device; returns a host copy."""
+    def keep(self, name: str, value: Any) -> tuple[NDArray[np.unsignedinteger], int]:
+        """(Re)start keeping ``value``'s served bits on its device; returns a host copy
+        and their fingerprint (computed on the device)."""
         spec, source = self.spec(name, value)
         current = self._current(value)
-        served = backend_for(current).cast(current, source, spec.dtype)
+        backend = backend_for(current)
+        served = backend.cast(current, source, spec.dtype)
         self._kept[name] = (spec, served)
+        fp = backend.fingerprint(served)
         host: NDArray[np.unsignedinteger] = sys.modules["cupy"].asnumpy(served)
-        return host.reshape(spec.shape)
-
-    def host_bits(self, name: str) -> NDArray[np.unsignedinteger]:
-        """A host copy of what is kept for ``name`` (the bits last diffed)."""
-        spec, bits = self._kept[name]
-        host: NDArray[np.unsignedinteger] = sys.modules["cupy"].asnumpy(bits)
-        return host.reshape(spec.shape)
+        return host.reshape(spec.shape), fp
 
     def drop(self, name: str) -> None:
         self._kept.pop(name, None)

@@ -3,15 +3,25 @@
 >>> pub = Publisher("s3://bucket/runs", "llama-grpo", keyframe_every=50)
 >>> for step in range(steps):
 ...     train_step()
-...     pub.publish_async(model.state_dict())   # returns at once; uploads in the background
+...     pub.publish_async(model.state_dict())   # returns once the state is copied; uploads in the background
 >>> pub.close()                                  # waits for the queue; raises the first error
 
-Each version is diffed against the bits of the previous one (kept in memory, two
-bytes per BF16 parameter), encoded into shards, uploaded, and committed by creating
-its manifest (the commit point), then the head moves. Version 1, every
+Each version is diffed, tensor by tensor, against the bits of the last committed one,
+which one object owns (:class:`~bulletin.base.PublishedBase`): memory-mapped files in
+a local cache directory (verified against the run when a publisher starts, rebuilt
+from it when missing or stale), and for CUDA tensors a copy on their GPU. The diff is
+encoded into shards, uploaded, and committed by creating its manifest (the commit
+point); then the base advances to it and the head moves. Version 1, every
 ``keyframe_every``-th version after it, and any change of tensor layout are also
-stored in full as plain safetensors. A restarted trainer resumes from the run's
-newest version by reconstructing it, so the chain continues without a gap.
+stored in full as plain safetensors, written into the cache and uploaded from those
+files. A restarted trainer resumes from the run's newest version, so the chain
+continues without a gap.
+
+Memory beyond the caller's tensors is bounded: one tensor's cast at a time and the
+changes found (O(changed elements)), never a copy of the model, for :meth:`~Publisher.
+publish` and :meth:`~Publisher.publish_checkpoint` (read through memory maps).
+:meth:`~Publisher.publish_async` takes one private copy of each host tensor (its cast
+to the served dtype, or a plain copy), since the caller changes them meanwhile.
 
 A version may carry the model's non-tensor files (``files=``: config, tokenizer, ...;
 :mod:`bulletin.model_files`), which every node folder then holds beside the tensors.
@@ -33,6 +43,7 @@ from __future__ import annotations
 import os
 import queue
 import secrets
+import tempfile
 import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -42,17 +53,17 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Final, Self
 
-import numpy as np
-from numpy.typing import NDArray
-
-from bulletin.checkpoint import INDEX_NAME, Checkpoint, hf_index, plan_checkpoint, safetensors_bytes
-from bulletin.device_kept import DeviceKept
+from bulletin.base import KeyframeFile, PublishedBase, StagedKeyframe
+from bulletin.checkpoint import Checkpoint
 from bulletin.errors import (
     AccessDenied,
     ChainMismatch,
     ConfigError,
+    Conflict,
+    DigestMismatch,
     InternalError,
     InvalidInput,
+    ObjectTooLarge,
     RunRewound,
     StorageUnavailable,
     VersionConflict,
@@ -61,13 +72,12 @@ from bulletin.keyspace import file_key, keyframe_prefix, patch_shard_key
 from bulletin.model_files import ModelFiles, select_model_files, with_served_dtype
 from bulletin.run import Run, StoredManifest, sha256_hex
 from bulletin.signing import Signer
-from bulletin.snapshot import Snapshot, cast_served, snapshot
-from bulletin.storage import Store, open_store, require_writable
-from bulletin.sync import check_chain, execute, plan
-from bulletin.target import ArrayTarget, Held
+from bulletin.snapshot import Snapshot, cast_served, take_snapshot
+from bulletin.storage import Conflicted, Store, open_store, require_writable
+from bulletin.sync import check_chain
+from bulletin.target import Held
 from patcher.compression import AUTO_CODEC, CONTEXT_CODEC, PUBLISH_CODECS, check_codec, check_patch_codec
-from patcher.diff import diff
-from patcher.dtypes import SERVED_FLOAT_DTYPES
+from patcher.dtypes import FLOAT_DTYPES, SERVED_FLOAT_DTYPES
 from patcher.encode import encode, encode_smallest
 from patcher.fingerprint import fingerprint, format_fingerprint
 from patcher.patch import Patch, TensorDelta, TensorSpec
@@ -116,25 +126,14 @@ class PublishResult:
     """What was changed on the way, to tell the user (``config.json``'s dtype rewritten)."""
 
 
-@dataclass(slots=True)
-class _Kept:
-    """The last published version: its bits, fingerprints, files and manifest."""
-
-    specs: dict[str, TensorSpec]
-    bits: dict[str, NDArray[np.unsignedinteger]]
-    fingerprints: dict[str, int]
-    stored: StoredManifest
-    files: tuple[FileRef, ...] = ()
-
-
 @dataclass(frozen=True, slots=True)
 class _Pending:
-    """A version whose commit failed with its outcome unknown, and what it would keep."""
+    """A version whose commit failed with its outcome unknown, and what the base advances
+    with once it is settled as committed."""
 
     manifest: ManifestV1
-    specs: dict[str, TensorSpec]
-    bits: dict[str, NDArray[np.unsignedinteger]]
-    fingerprints: dict[str, int]
+    patch: Patch | None
+    staged: StagedKeyframe | None
     files_uploaded: int
     notes: tuple[str, ...]
 
@@ -191,9 +190,13 @@ class Publisher:
         queue_size: int = 2,
         on_bytes: Callable[[int], None] | None = None,
         signing_key: Signer | str | os.PathLike[str] | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         """``signing_key``: a :class:`~bulletin.signing.Signer` or a private key file; every
-        manifest and head this publisher writes is then signed (docs/SECURITY.md)."""
+        manifest and head this publisher writes is then signed (docs/SECURITY.md).
+        ``cache_dir``: where the last committed version's bits are kept, memory-mapped
+        (default: ``$BULLETIN_CACHE_DIR``, else the platform's cache folder, under
+        ``bulletin/publisher/<store>/<run>``; a temporary folder for a memory store)."""
         if dtype not in SERVED_FLOAT_DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(SERVED_FLOAT_DTYPES)}, not {dtype!r}")
         if keyframe_every < 1:
@@ -207,12 +210,7 @@ class Publisher:
         signer = (
             signing_key if isinstance(signing_key, Signer) or signing_key is None else Signer.from_file(signing_key)
         )
-        self._run = Run(
-            opened,
-            run,
-            max_workers=max_workers,
-            signer=signer,
-        )
+        self._run = Run(opened, run, max_workers=max_workers, signer=signer)
         self.dtype = dtype
         self.keyframe_every = keyframe_every
         self.codec = codec
@@ -220,11 +218,8 @@ class Publisher:
         self.keyframe_file_bytes = keyframe_file_bytes
         self.writer = secrets.token_hex(8)
         self._on_bytes = on_bytes
-        self._kept: _Kept | None = None
+        self._base = PublishedBase(self._run, dtype, cache_dir)
         self._resumed = False
-        self._device = DeviceKept(dtype)
-        self._next_version = 1
-        self._prepared_specs: dict[str, TensorSpec] | None = None
         self._queue: queue.Queue[tuple[Snapshot, dict[str, str], _Files, Future[PublishResult], int] | None] = (
             queue.Queue(maxsize=queue_size)
         )
@@ -246,7 +241,12 @@ class Publisher:
     @property
     def version(self) -> int | None:
         """The last version this publisher committed or resumed from."""
-        return self._kept.stored.version if self._kept else None
+        return self._base.version
+
+    @property
+    def cache_dir(self) -> Path:
+        """The folder holding the base of the next diff (see ``cache_dir=``)."""
+        return self._base.cache_dir
 
     # -- public API --------------------------------------------------------------------
 
@@ -255,15 +255,18 @@ class Publisher:
     ) -> int:
         """Publish synchronously; returns the new version number.
 
-        ``files``: the version's model files (:data:`FilesArg`; None keeps the previous
-        version's). Floating tensors are served as ``dtype``, and so a ``config.json``
-        among them names ``dtype`` (:func:`~bulletin.model_files.with_served_dtype`; the
-        result's ``notes`` say what changed)."""
+        The tensors are read while this runs, one at a time (a zero-copy view of a tensor
+        already in the served dtype, else its cast): do not change them from another
+        thread meanwhile. ``files``: the version's model files (:data:`FilesArg`; None
+        keeps the previous version's). Floating tensors are served as ``dtype``, and so a
+        ``config.json`` among them names ``dtype``
+        (:func:`~bulletin.model_files.with_served_dtype`; the result's ``notes`` say what
+        changed)."""
         self._check_open()
         self.flush()
         checked = check_metadata(metadata or {})  # bad input changes nothing: checked first
         given = self._files(files, cast=True)
-        return self._publish(self._prepare(state_dict), checked, given).version
+        return self._publish(self._prepare(state_dict, copy=False), checked, given).version
 
     def publish_checkpoint(
         self,
@@ -274,7 +277,7 @@ class Publisher:
         keep_files: bool = False,
         cast: bool = False,
     ) -> PublishResult:
-        """Publish a safetensors checkpoint (file or directory).
+        """Publish a safetensors checkpoint (file or directory), read through memory maps.
 
         ``cast``: serve floating tensors as ``dtype``, cast exactly as :meth:`publish`
         casts them (:func:`~bulletin.snapshot.cast_served`), with ``config.json`` naming
@@ -282,7 +285,8 @@ class Publisher:
         version's model files; None takes a directory's own (the default rule of
         :func:`~bulletin.model_files.select_model_files`), or, for a single file or a
         directory without any, keeps the previous version's; ``keep_files`` keeps the
-        previous version's whatever the directory holds.
+        previous version's whatever the directory holds. The files must not change
+        while this runs.
         """
         self._check_open()
         checked = check_metadata(metadata or {})
@@ -294,31 +298,40 @@ class Publisher:
         given = self._files(files, cast=cast)
         self.flush()
         with Checkpoint(path) as ckpt:
-            specs = ckpt.specs
-            bits: dict[str, NDArray[np.unsignedinteger]] = {}
-            for name, spec in specs.items():
-                if cast:
-                    dtype, bits[name] = cast_served(ckpt.bits(name), spec.dtype, self.dtype)
-                    specs[name] = TensorSpec(name, dtype, spec.shape)
-                else:
-                    bits[name] = np.array(ckpt.bits(name), copy=True)
-        self._ready()
-        self._next_version += 1
-        self._prepared_specs = specs
-        return self._publish(Snapshot(specs, bits, {}), checked, given)
+            self._ready()
+            specs: dict[str, TensorSpec] = {}
+            snap = Snapshot(self._base.next_version, specs, {})
+            for name, spec in ckpt.specs.items():
+                served = self.dtype if cast and spec.dtype in FLOAT_DTYPES else spec.dtype
+                specs[name] = TensorSpec(name, served, spec.shape)
+
+                def read(name: str = name, dtype: str = spec.dtype) -> Any:
+                    bits = ckpt.bits(name)  # a view of the map: zero copies unless it is cast
+                    return cast_served(bits, dtype, self.dtype)[1] if cast else bits
+
+                snap.sources[name] = read
+            self._base.prepared(snap.version, specs, set())
+            return self._publish(snap, checked, given)
 
     def publish_async(
         self, state_dict: Mapping[str, Any], *, metadata: Mapping[str, str] | None = None, files: FilesArg = None
     ) -> Future[PublishResult]:
-        """Snapshot now (a cast copy), publish in the background; blocks only when the
-        bounded queue is full. Errors surface from the future and from flush/close.
-        ``files`` as for :meth:`publish` (read now)."""
+        """Snapshot now, publish in the background; blocks only when the bounded queue
+        is full. Errors surface from the future and from flush/close. ``files`` as for
+        :meth:`publish` (read now).
+
+        Returns once the caller may change its tensors again: each host tensor has been
+        copied once (its cast to ``dtype``, or a plain copy when it is served as it is),
+        and each CUDA tensor has been read on its device, the device's kernels finished
+        (its change since the last snapshot, or for a keyframe its served bits, is on
+        the host). Writes to the tensors after that, from any stream or thread, do not
+        reach the version published."""
         self._check_open()
         self._raise_background_error()
         checked = check_metadata(metadata or {})
         given = self._files(files, cast=True)
         epoch = self._epoch  # read before _prepare: a failure from now on refuses this snapshot
-        snap = self._prepare(state_dict)
+        snap = self._prepare(state_dict, copy=True)
         future: Future[PublishResult] = Future()
         if self._worker is None:
             self._worker = threading.Thread(target=self._drain, name=f"bulletin-publish-{self.run}", daemon=True)
@@ -333,7 +346,8 @@ class Publisher:
         head was refreshed."""
         self._check_open()
         self.flush()
-        return self._kept is not None and self._run.refresh_head(self._kept.stored)
+        committed = self._base.stored
+        return committed is not None and self._run.refresh_head(committed)
 
     def flush(self) -> None:
         """Wait until every queued publish is committed; raise the first background error."""
@@ -342,19 +356,23 @@ class Publisher:
 
     def close(self) -> None:
         """Flush, make sure the head shows the last version, then stop the background
-        worker. Idempotent."""
+        worker and release the cache. Idempotent."""
         if self._closed:
             return
         try:
             self.flush()
-            if self._kept is not None and not self._failed:
+            committed = self._base.stored
+            if committed is not None and not self._failed:
                 # A commit only logs a store failure while moving the head; move it now.
-                self._run.advance_head(self._kept.stored)
+                self._run.advance_head(committed)
         finally:
             self._closed = True
             if self._worker is not None:
                 self._queue.put(None)
                 self._worker.join()
+            if self._pending is not None and self._pending.staged is not None:
+                self._pending.staged.discard()
+            self._base.close()
 
     def __enter__(self) -> Self:
         return self
@@ -403,24 +421,16 @@ class Publisher:
             finally:
                 self._queue.task_done()
 
-    def _prepare(self, state_dict: Mapping[str, Any]) -> Snapshot:
-        """The part of a publish that must happen before the caller may touch its tensors:
-        the host snapshot, or for GPU tensors the diff on the device."""
+    def _prepare(self, state_dict: Mapping[str, Any], *, copy: bool) -> Snapshot:
+        """The part of a publish that runs in the caller's thread: the snapshot (with
+        ``copy``, all that must happen before the caller may touch its tensors)."""
         self._ready()
-        full = (self._next_version - 1) % self.keyframe_every == 0
+        full = (self._base.next_version - 1) % self.keyframe_every == 0
         try:
-            snap = snapshot(state_dict, dtype=self.dtype, device=self._device, full=full)
+            return take_snapshot(state_dict, dtype=self.dtype, base=self._base, full=full, copy=copy)
         except BaseException:
-            self._failed = True  # tensors diffed before the bad one moved the device's bits on
+            self._failed = True  # tensors diffed before a failure moved the device's bits on
             raise
-        if snap.changes and snap.specs != self._prepared_specs:
-            # A layout change is published in full: fetch what only the device has, now,
-            # before the next diff moves the kept bits on.
-            host = {**snap.bits, **{name: self._device.host_bits(name) for name in snap.changes}}
-            snap = Snapshot(snap.specs, host, snap.aliases, {}, snap.old_bits)
-        self._prepared_specs = snap.specs
-        self._next_version += 1
-        return snap
 
     def _ready(self) -> None:
         """Before a snapshot: know the run's newest version; settle a failed publish."""
@@ -430,25 +440,18 @@ class Publisher:
             self._recover()
 
     def _resume(self) -> None:
-        """Continue the run from its newest committed version (after a restart)."""
+        """Continue the run from its newest committed version (after a restart): the base
+        holds it, from the cache when it verifies, else rebuilt from the run."""
         tip = self._run.tip()
         if tip is not None:
             self._run.advance_head(tip)  # a crash may have left the head behind a commit
-            self._kept = self._rebuild(tip)
-            self._next_version = tip.version + 1
+        self._base.open(tip)
         self._resumed = True
 
-    def _rebuild(self, stored: StoredManifest) -> _Kept:
-        """A committed version's bits, reconstructed from the run."""
-        held = ArrayTarget()
-        execute(self._run, plan(self._run, stored, None), held, None)
-        fps = dict(stored.manifest.fingerprints)
-        return _Kept(dict(stored.manifest.specs), dict(held.arrays), fps, stored, manifest_files(stored.manifest))
-
     def _failure(self, exc: BaseException) -> None:
-        """A publish failed after its snapshot: the device's kept bits and the version
-        counter may be ahead of the last commit, and later snapshots were diffed against
-        bits that were not committed. Refuse those; the next snapshot recovers first."""
+        """A publish failed after its snapshot: later snapshots were diffed (on a device)
+        against bits that were not committed. Refuse those; the next snapshot recovers
+        first."""
         self._failed = True  # before the epoch moves on (publish_async reads them the other way)
         self._epoch_error = exc
         self._epoch += 1
@@ -468,42 +471,39 @@ class Publisher:
                 stored = self._run.commit(pending.manifest)
             except VersionConflict:
                 self._pending = None
+                if pending.staged is not None:
+                    pending.staged.discard()
                 raise
             self._pending = None
-            files = manifest_files(pending.manifest)
-            self._kept = _Kept(pending.specs, pending.bits, pending.fingerprints, stored, files)
+            self._base.advance(stored, patch=pending.patch, staged=pending.staged)
             self.results.append(
                 _result(pending.manifest, stored, files_uploaded=pending.files_uploaded, notes=pending.notes)
             )
-        kept = self._kept
+        committed = self._base.stored
         tip = self._run.tip()
         # A newer version is another writer's. A run rolled back or rewritten under the
-        # version kept is for the chain check of the publish itself (_check_chain).
-        if tip is not None and (kept is None or tip.version > kept.stored.version):
-            ours = f"version {kept.stored.version}" if kept else "nothing yet"
+        # version held is for the chain check of the publish itself (_check_chain).
+        if tip is not None and (committed is None or tip.version > committed.version):
+            ours = f"version {committed.version}" if committed else "nothing yet"
             theirs = f"version {tip.version} by writer {tip.manifest.writer}"
             raise VersionConflict(
                 f"{self.run}: the run's newest committed version is {theirs}, but this publisher "
                 f"(writer {self.writer}) committed {ours}: another trainer is publishing to the same "
                 "run; this publisher cannot continue (a new Publisher resumes from the run's tip)"
             )
-        if kept is not None and kept.bits.keys() != kept.specs.keys():
-            kept = self._kept = self._rebuild(kept.stored)  # bits diffed on the device are not on the host
-        self._device = DeviceKept(self.dtype)  # GPU tensors start again from the committed bits
-        self._next_version = (kept.stored.version if kept else 0) + 1
-        self._prepared_specs = dict(kept.specs) if kept else None
+        self._base.reset()  # GPU tensors start again from the committed bits
         self._failed = False
 
-    def _check_chain(self, kept: _Kept) -> None:
+    def _check_chain(self, committed: StoredManifest) -> None:
         """The run still holds the version this publisher continues, as committed or resumed
         from: a run rolled back or rewritten since is ``RunRewound`` / ``ChainMismatch``
         (never a fork chained to a version the bucket no longer has)."""
         head = self._run.read_head()
-        ours = (kept.stored.version, kept.stored.digest)
+        ours = (committed.version, committed.digest)
         if head is not None and (head.head.version, head.head.manifest_digest) == ours:
             return  # the head names what this publisher holds: one small read
         tip = self._run.tip()
-        held = Held.at(kept.stored)
+        held = Held.at(committed)
         try:
             if tip is None:
                 raise RunRewound(f"{self.run}: version {held.version} held here, but the run has no version left")
@@ -522,23 +522,84 @@ class Publisher:
     def _publish_once(self, snap: Snapshot, metadata: dict[str, str], files: _Files) -> PublishResult:
         if not self._resumed:
             self._resume()
-        kept = self._kept
-        if kept is not None:
-            self._check_chain(kept)
-        version = kept.stored.version + 1 if kept else 1
-        same_layout = kept is not None and kept.specs == snap.specs
-        patch: Patch | None = None
-        if kept is not None and same_layout:
-            patch = self._diff(kept, snap)
-            fps = {td.spec.name: td.target_fingerprint for td in patch}
-        else:
-            fps = {name: fingerprint(bits) for name, bits in snap.bits.items()}
+        base = self._base
+        parent = base.stored
+        if parent is not None:
+            self._check_chain(parent)
+        version = parent.version + 1 if parent else 1
+        if snap.version != version:
+            raise InternalError(f"a snapshot taken for version {snap.version} reached the commit of {version}")
+        same_layout = parent is not None and dict(base.specs) == snap.specs
         is_keyframe = not same_layout or (version - 1) % self.keyframe_every == 0
-        if is_keyframe and snap.changes:  # cannot happen: _prepare sends keyframes in full
+        if is_keyframe and snap.device:  # cannot happen: snapshots of keyframes are taken in full
             raise InternalError("a keyframe version was diffed on the device")
-        patch_ref = self._upload_patch(version, patch, kept, snap) if kept is not None and patch is not None else None
-        keyframe_ref = self._upload_keyframe(version, snap) if is_keyframe else None
-        file_refs, files_uploaded = self._upload_files(version, kept, files.files)
+        staged = base.stage(snap.specs, self.keyframe_file_bytes) if is_keyframe else None
+        try:
+            patch, fps = self._diff(snap, staged, same_layout)
+            patch_ref = self._upload_patch(version, patch) if patch is not None else None
+            keyframe_ref = self._upload_keyframe(version, staged) if staged is not None else None
+            file_refs, files_uploaded = self._upload_files(version, files.files)
+            manifest = self._manifest(version, parent, snap, fps, patch_ref, keyframe_ref, file_refs, metadata)
+        except BaseException:
+            if staged is not None:
+                staged.discard()
+            raise
+        try:
+            stored = self._run.commit(manifest)  # raises VersionConflict for a stale trainer
+        except StorageUnavailable as exc:
+            if not isinstance(exc, AccessDenied):  # the manifest may exist: settled next time
+                self._pending = _Pending(manifest, patch, staged, files_uploaded, files.notes)
+            elif staged is not None:
+                staged.discard()
+            raise
+        except BaseException:
+            if staged is not None:
+                staged.discard()
+            raise
+        base.advance(stored, patch=patch, staged=staged)
+        result = _result(manifest, stored, files_uploaded=files_uploaded, notes=files.notes)
+        self.results.append(result)
+        return result
+
+    def _diff(
+        self, snap: Snapshot, staged: StagedKeyframe | None, same_layout: bool
+    ) -> tuple[Patch | None, dict[str, int]]:
+        """Tensor by tensor, in name order: each one's bits taken from the snapshot (a
+        view, its cast, or the copy taken), diffed against the base (same layout),
+        written to the staged keyframe (a keyframe), then dropped. Returns the patch
+        (None for a new layout) and every tensor's fingerprint."""
+        base = self._base
+        deltas: dict[str, TensorDelta] = {}
+        fps: dict[str, int] = {}
+        for name in sorted(snap.specs):
+            delta = snap.device.get(name)
+            if delta is not None:
+                if delta.base_fingerprint != base.fingerprints[name]:  # the device's chain is the commits'
+                    raise InternalError(f"{name}: diffed on the device against bits that are not the base")
+                deltas[name], fps[name] = delta, delta.target_fingerprint
+                continue
+            bits = snap.take(name)
+            if same_layout:
+                delta = base.diff(name, bits)
+                deltas[name], fps[name] = delta, delta.target_fingerprint
+            else:
+                fps[name] = fingerprint(bits)
+            if staged is not None:
+                staged.write(name, bits)
+            del bits
+        return (Patch(deltas) if same_layout else None), fps
+
+    def _manifest(
+        self,
+        version: int,
+        parent: StoredManifest | None,
+        snap: Snapshot,
+        fps: Mapping[str, int],
+        patch_ref: PatchRef | None,
+        keyframe_ref: KeyframeRef | None,
+        file_refs: tuple[FileRef, ...],
+        metadata: dict[str, str],
+    ) -> ManifestV1:
         # Write the oldest spec_version that says it all: 3 for files, 2 for a context-coded
         # patch, else 1, so that readers that predate them keep reading the rest.
         extra: dict[str, Any] = {}
@@ -554,11 +615,11 @@ class Publisher:
                 )
         elif isinstance(patch_ref, PatchRefV2):
             manifest_type = ManifestV2
-        manifest = manifest_type(
+        return manifest_type(
             run=self.run,
             version=version,
-            parent_version=kept.stored.version if kept else None,
-            parent_digest=kept.stored.digest if kept else None,
+            parent_version=parent.version if parent else None,
+            parent_digest=parent.digest if parent else None,
             created_at=datetime.now(UTC),
             writer=self.writer,
             tensors=tuple(
@@ -576,25 +637,12 @@ class Publisher:
             metadata=metadata,
             **extra,
         )
-        try:
-            stored = self._run.commit(manifest)  # raises VersionConflict for a stale trainer
-        except StorageUnavailable as exc:
-            if not isinstance(exc, AccessDenied):  # the manifest may exist: settled next time
-                self._pending = _Pending(manifest, dict(snap.specs), snap.bits, fps, files_uploaded, files.notes)
-            raise
-        # Host bits of tensors diffed on the device go stale; the device keeps them.
-        self._kept = _Kept(dict(snap.specs), snap.bits, fps, stored, file_refs)
-        result = _result(manifest, stored, files_uploaded=files_uploaded, notes=files.notes)
-        self.results.append(result)
-        return result
 
-    def _upload_files(
-        self, version: int, kept: _Kept | None, files: ModelFiles | None
-    ) -> tuple[tuple[FileRef, ...], int]:
+    def _upload_files(self, version: int, files: ModelFiles | None) -> tuple[tuple[FileRef, ...], int]:
         """The version's file refs, and the bytes uploaded for them: the parent's refs when
         no files were given; otherwise one per file, naming the object the parent named for
         the same bytes (nothing uploaded) or a new one, uploaded create-only now."""
-        previous = kept.files if kept is not None else ()
+        previous = self._base.files
         if files is None:
             return previous, 0
         by_digest = {ref.sha256: ref for ref in previous}
@@ -611,42 +659,13 @@ class Publisher:
             self._run.upload(items, self._on_bytes)
         return tuple(refs), sum(len(content) for content in items.values())
 
-    def _diff(self, kept: _Kept, snap: Snapshot) -> Patch:
-        """The patch from the kept version to ``snap``: host tensors diffed here (the
-        codec's chunked diff, target fingerprints in O(changed)), GPU tensors as their
-        device already found."""
-        host = {name: spec for name, spec in snap.specs.items() if name not in snap.changes}
-        patch = diff(
-            host,
-            {name: snap.old_bits[name] if name in snap.old_bits else kept.bits[name] for name in host},
-            {name: snap.bits[name] for name in host},
-            base_fingerprints={name: kept.fingerprints[name] for name in host},
-        )
-        deltas = dict(patch.tensors)
-        for name, change in snap.changes.items():
-            deltas[name] = TensorDelta.from_change(snap.specs[name], change, kept.fingerprints[name])
-        return Patch({name: deltas[name] for name in sorted(deltas)})
-
-    def _base(self, kept: _Kept, snap: Snapshot, patch: Patch) -> dict[str, NDArray[np.unsignedinteger]]:
-        """The bits ``patch`` was diffed from, for the context codec: the host's, or for a
-        tensor diffed on its device, the device's (now the new bits) less the deltas."""
-        base = {name: snap.old_bits[name] if name in snap.old_bits else kept.bits[name] for name in snap.bits}
-        for name in snap.changes:
-            bits = self._device.host_bits(name)
-            td = patch.tensors[name]
-            bits.reshape(-1)[td.indices] -= td.delta  # new - delta wraps back to the old bits
-            base[name] = bits
-        return base
-
-    def _upload_patch(self, version: int, patch: Patch, kept: _Kept, snap: Snapshot) -> PatchRef:
+    def _upload_patch(self, version: int, patch: Patch) -> PatchRef:
         codec: str
         if self.codec == AUTO_CODEC:
-            codec, shards = encode_smallest(
-                patch, base=self._base(kept, snap, patch), max_shard_bytes=self.max_shard_bytes
-            )
+            codec, shards = encode_smallest(patch, base=self._base.views(), max_shard_bytes=self.max_shard_bytes)
         else:
             codec = check_patch_codec(self.codec)
-            base = self._base(kept, snap, patch) if codec == CONTEXT_CODEC else None
+            base = self._base.views() if codec == CONTEXT_CODEC else None
             shards = encode(patch, max_shard_bytes=self.max_shard_bytes, codec=codec, base=base)
         refs = []
         items = {}
@@ -662,24 +681,31 @@ class Publisher:
             )
         return PatchRef(codec=check_codec(codec), shards=tuple(refs), changed_elements=patch.changed_elements)
 
-    def _upload_keyframe(self, version: int, snap: Snapshot) -> KeyframeRef:
+    def _upload_keyframe(self, version: int, staged: StagedKeyframe) -> KeyframeRef:
+        """The staged keyframe's files, uploaded create-only from the files (a multipart
+        upload on S3 above its threshold), a few in parallel."""
         prefix = keyframe_prefix(version, self.writer)
-        file_plan = plan_checkpoint(snap.specs, self.keyframe_file_bytes)
+        files = staged.finish()
 
-        def upload_one(file_name: str, content: bytes) -> ObjectRef:
-            key = f"{prefix}/{file_name}"
-            self._run.upload({key: content}, self._on_bytes)
-            return ObjectRef(key=key, size=len(content), sha256=sha256_hex(content))
+        def upload_one(file: KeyframeFile) -> ObjectRef:
+            key = f"{prefix}/{file.name}"
+            self._put_file(key, file)
+            return ObjectRef(key=key, size=file.size, sha256=file.sha256)
 
-        # Files are built inside the workers so that at most `workers` of them are in memory.
-        workers = max(1, min(4, self._run.max_workers))
-
-        def build_and_upload(file_name: str, shard: list[TensorSpec]) -> ObjectRef:
-            return upload_one(file_name, safetensors_bytes(shard, snap.bits))
-
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            futures = [pool.submit(build_and_upload, file_name, shard) for file_name, shard in file_plan]
-            refs = [f.result() for f in futures]
-        if len(file_plan) > 1:
-            refs.append(upload_one(INDEX_NAME, hf_index(file_plan)))
+        with ThreadPoolExecutor(max_workers=max(1, min(4, self._run.max_workers))) as pool:
+            refs = list(pool.map(upload_one, files))
         return KeyframeRef(prefix=prefix, files=tuple(refs))
+
+    def _put_file(self, key: str, file: KeyframeFile) -> None:
+        """Create one object from a local file; an existing one is fine only with the same
+        bytes (this writer's own, from a publish of this version retried)."""
+        absolute = self._run.key(key)
+        store = self._run.store
+        if isinstance(store.put_file_if_absent(absolute, file.path), Conflicted):
+            with tempfile.TemporaryDirectory(dir=self._base.cache_dir) as scratch:
+                try:
+                    store.get_to_file(absolute, Path(scratch) / "existing", sha256=file.sha256, max_bytes=file.size)
+                except (DigestMismatch, ObjectTooLarge):
+                    raise Conflict(f"{absolute}: exists with other content") from None
+        if self._on_bytes is not None:
+            self._on_bytes(file.size)

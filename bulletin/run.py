@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -403,6 +404,35 @@ class Run:
             else:
                 out.append(fetched)
         return out
+
+    def download_file(
+        self, ref: ObjectRef, path: str | os.PathLike[str], on_bytes: Callable[[int], None] | None = None
+    ) -> None:
+        """Stream one object to the local file ``path`` in bounded memory, verified as it
+        arrives against its size (the read's bound) and SHA-256 (:meth:`Store.get_to_file`:
+        a temp file renamed into place only once it checks). Fetched once more if the
+        check fails, then ``DigestMismatch``, as :meth:`download`; a missing object, or one
+        larger than promised, is ``DigestMismatch`` too. ``on_bytes(size)`` once it is in."""
+        key = self.key(ref.key)
+        failure: DigestMismatch | None = None
+        for _ in range(2):
+            try:
+                done = self.store.get_to_file(key, path, sha256=ref.sha256, max_bytes=ref.size)
+                if done.size != ref.size:
+                    raise DigestMismatch(f"{ref.key}: {done.size} bytes, the manifest promises {ref.size}")
+            except NotFound as exc:
+                raise DigestMismatch(f"{self.name}: an object a manifest names is missing: {exc}") from exc
+            except ObjectTooLarge as exc:
+                raise DigestMismatch(f"{self.name}: an object is larger than its manifest promises: {exc}") from exc
+            except DigestMismatch as exc:
+                if failure is not None:
+                    raise DigestMismatch(f"{exc} (fetched twice)") from failure
+                log.info("%s: %s; fetching it once more", self.name, exc)
+                failure = exc
+                continue
+            if on_bytes is not None:
+                on_bytes(done.size)
+            return
 
     def _fetch(self, refs: Sequence[ObjectRef], on_bytes: Callable[[int], None] | None) -> list[bytes]:
         """The objects' bytes, read in parallel, not verified yet; a missing one is corrupt data."""

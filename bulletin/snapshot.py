@@ -1,94 +1,87 @@
-"""Turning a trainer's state dict into the bits Bulletin serves.
+"""Turning a trainer's state dict into the bits Bulletin serves, without copying more than once.
 
 Floating-point tensors are cast to the served dtype exactly as torch rounds
 (``tensor.to(torch.bfloat16)``: round to nearest even); other tensors keep their
-dtype. The result is a private copy: the training loop may change its tensors as
-soon as :func:`snapshot` returns. Tensors that share storage (tied embeddings)
-are served once, under the name that sorts first, as safetensors' ``save_model``
-does; :func:`aliases` reports the dropped names so engines can map them back.
+dtype. Tensors that share storage (tied embeddings) are served once, under the name
+that sorts first, as safetensors' ``save_model`` does; :class:`Snapshot` reports the
+dropped names so engines can map them back.
+
+A :class:`Snapshot` is taken in two passes: the layout first (every name, type and dtype
+checked, nothing read), so that bad input is refused before anything is diffed; then
+each tensor's source. With ``copy`` (``publish_async``: the caller may change its
+tensors as soon as the snapshot is taken) a host tensor is copied once, by its cast
+or, already in the served dtype, by a plain copy; without (``publish``, a checkpoint's
+memory maps: nothing changes them before the publish ends) its bits are read when the
+publisher reaches it, a zero-copy view, or its cast then. A GPU tensor whose served bits
+the device keeps (:class:`~bulletin.base.PublishedBase`) is diffed there now and only
+the change comes back.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from numpy.typing import NDArray
 
-from bulletin.device_kept import DeviceKept, on_gpu
+from bulletin.device_kept import on_gpu
 from bulletin.engines.torch_module import torch_dtype
-from bulletin.errors import InvalidInput, UnsupportedDtype
+from bulletin.errors import InternalError, InvalidInput, UnsupportedDtype
 from kernels.dispatch import as_bits, dtype_name
 from patcher.cast import cast_bits
 from patcher.dtypes import FLOAT_DTYPES, SERVED_FLOAT_DTYPES
 from patcher.names import check_tensor_name
-from patcher.patch import HostChange, TensorSpec
+from patcher.patch import TensorDelta, TensorSpec
 
-__all__ = ["Snapshot", "cast_served", "snapshot"]
+if TYPE_CHECKING:
+    from bulletin.base import PublishedBase
+
+__all__ = ["ServedBits", "Snapshot", "cast_served", "layout", "snapshot", "take_snapshot"]
+
+Bits = NDArray[np.unsignedinteger]
+#: A tensor's served bits, produced when called (a view, a cast, or the copy taken).
+Source = Callable[[], Bits]
+
+
+@dataclass(slots=True)
+class Snapshot:
+    """One version as the publisher needs it: every tensor's served spec, and either a
+    source of its host bits (``sources``, taken once each by :meth:`take`) or the change
+    its device found (``device``)."""
+
+    version: int
+    specs: dict[str, TensorSpec]
+    aliases: dict[str, str]  # dropped name -> served name
+    sources: dict[str, Source] = field(default_factory=dict)
+    device: dict[str, TensorDelta] = field(default_factory=dict)
+
+    def take(self, name: str) -> Bits:
+        """The served bits of host tensor ``name``, once: the snapshot lets go of them."""
+        try:
+            return self.sources.pop(name)()
+        except KeyError:
+            raise InternalError(f"{name}: taken twice, or diffed on the device") from None
 
 
 @dataclass(frozen=True, slots=True)
-class Snapshot:
-    """One version as the publisher needs it.
-
-    Every tensor has a spec and either private host bits (``bits``) or, for GPU tensors
-    diffed on their device, the change found there (``changes``). ``old_bits`` holds the
-    previous bits of a tensor that left the GPU, which the host no longer had.
-    """
+class ServedBits:
+    """A state dict's served bits, private copies (:func:`snapshot`)."""
 
     specs: dict[str, TensorSpec]
-    bits: dict[str, NDArray[np.unsignedinteger]]
+    bits: dict[str, Bits]
     aliases: dict[str, str]  # dropped name -> served name
-    changes: dict[str, HostChange] = field(default_factory=dict)
-    old_bits: dict[str, NDArray[np.unsignedinteger]] = field(default_factory=dict)
 
 
-def _torch_bits(value: Any, served: str) -> tuple[str, NDArray[np.unsignedinteger]]:
-    t = value.detach()
-    name = dtype_name(t)
-    if name in FLOAT_DTYPES and name != served:
-        t = t.to(torch_dtype(served))  # torch's own rounding, on the tensor's device
-        name = served
-    host = as_bits(t.contiguous().cpu())
-    # The view shares memory with the tensor; copy so the trainer cannot change what we hold.
-    return name, np.array(host, copy=True)
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """What a state dict serves, found without reading any tensor's data."""
 
-
-def _numpy_bits(value: NDArray[Any], served: str) -> tuple[str, NDArray[np.unsignedinteger]]:
-    name = dtype_name(value)
-    array = np.ascontiguousarray(value)
-    if name in FLOAT_DTYPES and name != served:
-        if name != "F32":
-            raise UnsupportedDtype(f"NumPy {value.dtype} arrays cannot be cast to {served}: pass float32")
-        return served, cast_bits(array.view(np.uint32), "F32", served)
-    return name, np.array(as_bits(array), copy=True)
-
-
-def cast_served(bits: NDArray[np.unsignedinteger], dtype: str, served: str) -> tuple[str, NDArray[np.unsignedinteger]]:
-    """A private copy of one tensor's bits (of safetensors dtype ``dtype``) as
-    :func:`snapshot` serves them: a floating tensor cast to ``served`` exactly as a state
-    dict's would be (F32 by :func:`patcher.cast.cast_bits`, the twin of torch's rounding;
-    other floating dtypes by torch itself, ``Tensor.to``), anything else as it is.
-    Returns the served dtype name and the bits. Casting from BF16, F16 or F64 needs
-    torch (``UnsupportedDtype`` without it)."""
-    if served not in SERVED_FLOAT_DTYPES:
-        raise UnsupportedDtype(f"served dtype must be one of {', '.join(SERVED_FLOAT_DTYPES)}, not {served!r}")
-    if dtype not in FLOAT_DTYPES or dtype == served:
-        return dtype, np.array(bits, copy=True)
-    if dtype == "F32":
-        return served, cast_bits(np.ascontiguousarray(bits).view(np.uint32), "F32", served)
-    try:
-        import torch
-    except ImportError:
-        raise UnsupportedDtype(
-            f"casting {dtype} tensors to {served} needs torch (pip install torch), which rounds them as a "
-            "trainer's state dict is rounded; or serve them as they are"
-        ) from None
-    signed = np.ascontiguousarray(bits).view(f"<i{bits.dtype.itemsize}")  # torch has no unsigned 16/32/64 views
-    cast = torch.from_numpy(signed).view(torch_dtype(dtype)).to(torch_dtype(served))
-    return served, np.array(as_bits(cast), copy=True)
+    specs: dict[str, TensorSpec]
+    aliases: dict[str, str]
+    values: dict[str, Any]  # served name -> the caller's tensor
+    source_dtypes: dict[str, str]
 
 
 def _storage_key(value: Any) -> tuple[Any, ...] | None:
@@ -104,25 +97,28 @@ def _storage_key(value: Any) -> tuple[Any, ...] | None:
     return None
 
 
-def snapshot(
-    state_dict: Mapping[str, Any], *, dtype: str = "BF16", device: DeviceKept | None = None, full: bool = True
-) -> Snapshot:
-    """Cast and copy a state dict (torch tensors on any device, NumPy or CuPy arrays).
+def _kind(value: Any) -> str:
+    module = type(value).__module__
+    if module.startswith("torch") and hasattr(value, "detach"):
+        return "torch"
+    if module.startswith("cupy"):
+        return "cupy"
+    if isinstance(value, np.ndarray | np.generic):
+        return "numpy"
+    return ""
 
-    With ``device``, GPU tensors take the GPU path: unless ``full`` (a keyframe is due),
-    a tensor whose bits are kept on its device is diffed there and only the change comes
-    back; otherwise its served bits are copied to the host and kept on the device from
-    now on.
-    """
+
+def layout(state_dict: Mapping[str, Any], dtype: str) -> Layout:
+    """The served layout of ``state_dict``: every name, type and dtype checked (``InvalidInput``,
+    ``UnsupportedDtype``), tied tensors found; no tensor's data is read."""
     if dtype not in SERVED_FLOAT_DTYPES:
         raise UnsupportedDtype(f"served dtype must be one of {', '.join(SERVED_FLOAT_DTYPES)}, not {dtype!r}")
     if not isinstance(state_dict, Mapping) or not state_dict:
         raise InvalidInput("state_dict must be a non-empty mapping of tensor names to tensors")
     specs: dict[str, TensorSpec] = {}
-    bits: dict[str, NDArray[np.unsignedinteger]] = {}
     aliases: dict[str, str] = {}
-    changes: dict[str, HostChange] = {}
-    old_bits: dict[str, NDArray[np.unsignedinteger]] = {}
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
     seen: dict[tuple[Any, ...], str] = {}
     for name in sorted(state_dict):
         check_tensor_name(name)
@@ -131,32 +127,135 @@ def snapshot(
         if key is not None and key in seen:
             aliases[name] = seen[key]
             continue
-        module = type(value).__module__
-        if device is not None and on_gpu(value):
-            specs[name] = device.spec(name, value)[0]
-            change = None if full else device.diff(name, value)
-            if change is not None:
-                changes[name] = change
-            else:
-                if name in device:  # the device holds the previous bits, the host does not
-                    old_bits[name] = device.host_bits(name)
-                bits[name] = device.keep(name, value)
-            if key is not None:
-                seen[key] = name
-            continue
-        if device is not None and name in device:  # left the GPU: the host lacks its old bits
-            old_bits[name] = device.host_bits(name)
-            device.drop(name)
-        if module.startswith("torch"):
-            served_name, array = _torch_bits(value, dtype)
-        elif module.startswith("cupy"):
-            served_name, array = _numpy_bits(value.get(), dtype)
-        elif isinstance(value, np.ndarray | np.generic):
-            served_name, array = _numpy_bits(np.asarray(value), dtype)
-        else:
+        kind = _kind(value)
+        if not kind:
             raise InvalidInput(f"{name}: expected a torch tensor, NumPy or CuPy array, got {type(value).__name__}")
+        if kind == "numpy":
+            value = np.asarray(value)
+        source = dtype_name(value)
+        served = source
+        if source in FLOAT_DTYPES and source != dtype:
+            if kind != "torch" and source != "F32" and not on_gpu(value):
+                raise UnsupportedDtype(f"NumPy {value.dtype} arrays cannot be cast to {dtype}: pass float32")
+            served = dtype
         if key is not None:
             seen[key] = name
-        specs[name] = TensorSpec(name, served_name, tuple(int(d) for d in array.shape))
-        bits[name] = array
-    return Snapshot(specs, bits, aliases, changes, old_bits)
+        specs[name] = TensorSpec(name, served, tuple(int(d) for d in value.shape))
+        values[name] = value
+        sources[name] = source
+    return Layout(specs, aliases, values, sources)
+
+
+def _torch_bits(value: Any, served: str, copy: bool) -> Bits:
+    t = value.detach()
+    private = False
+    if dtype_name(t) in FLOAT_DTYPES and dtype_name(t) != served:
+        t = t.to(torch_dtype(served))  # torch's own rounding, on the tensor's device: the one copy
+        private = True
+    if not t.is_contiguous():
+        t, private = t.contiguous(), True
+    if t.device.type != "cpu":
+        t, private = t.cpu(), True
+    bits = as_bits(t)
+    # A view shares memory with the caller's tensor: copy it once where they may change it.
+    return np.array(bits, copy=True) if copy and not private else bits
+
+
+def _numpy_bits(value: NDArray[Any], source: str, served: str, copy: bool) -> Bits:
+    # np.ascontiguousarray makes 0-d arrays 1-d: keep the caller's shape.
+    array = value if value.flags.c_contiguous else np.ascontiguousarray(value).reshape(value.shape)
+    if source != served:
+        return cast_bits(array.view(np.uint32), "F32", served)
+    bits = as_bits(array)
+    # A view shares memory with the caller's array: copy it once where they may change it.
+    return np.array(bits, copy=True) if copy and array is value else bits
+
+
+def _host_source(value: Any, source: str, served: str, copy: bool) -> Source:
+    kind = _kind(value)
+    if kind == "torch":
+
+        def read() -> Bits:
+            return _torch_bits(value, served, copy)
+    elif kind == "cupy":
+
+        def read() -> Bits:
+            return _numpy_bits(value.get(), source, served, False)  # .get() is a private copy
+    else:
+
+        def read() -> Bits:
+            return _numpy_bits(value, source, served, copy)
+
+    if not copy:
+        return read
+    bits = read()  # now: the caller may change its tensor once the snapshot is taken
+    return lambda: bits
+
+
+def cast_served(bits: Bits, dtype: str, served: str) -> tuple[str, Bits]:
+    """One tensor's bits (of safetensors dtype ``dtype``) as :func:`snapshot` serves them:
+    a floating tensor cast to ``served`` exactly as a state dict's would be (F32 by
+    :func:`patcher.cast.cast_bits`, the twin of torch's rounding; other floating dtypes
+    by torch itself, ``Tensor.to``), a new array; anything else as it is (``bits``
+    itself, not a copy). Returns the served dtype name and the bits. Casting from BF16,
+    F16 or F64 needs torch (``UnsupportedDtype`` without it)."""
+    if served not in SERVED_FLOAT_DTYPES:
+        raise UnsupportedDtype(f"served dtype must be one of {', '.join(SERVED_FLOAT_DTYPES)}, not {served!r}")
+    if dtype not in FLOAT_DTYPES or dtype == served:
+        return dtype, bits
+    if dtype == "F32":
+        return served, cast_bits(np.ascontiguousarray(bits).view(np.uint32), "F32", served)
+    try:
+        import torch
+    except ImportError:
+        raise UnsupportedDtype(
+            f"casting {dtype} tensors to {served} needs torch (pip install torch), which rounds them as a "
+            "trainer's state dict is rounded; or serve them as they are"
+        ) from None
+    signed = np.ascontiguousarray(bits).view(f"<i{bits.dtype.itemsize}")  # torch has no unsigned 16/32/64 views
+    cast = torch.from_numpy(signed).view(torch_dtype(dtype)).to(torch_dtype(served))
+    return served, as_bits(cast)
+
+
+def snapshot(state_dict: Mapping[str, Any], *, dtype: str = "BF16") -> ServedBits:
+    """The served bits of ``state_dict`` (torch tensors on any device, NumPy or CuPy
+    arrays), each a private copy: the caller may change its tensors at once."""
+    found = layout(state_dict, dtype)
+    bits = {
+        name: _host_source(value, found.source_dtypes[name], found.specs[name].dtype, True)()
+        for name, value in found.values.items()
+    }
+    return ServedBits(found.specs, bits, found.aliases)
+
+
+def take_snapshot(
+    state_dict: Mapping[str, Any], *, dtype: str, base: PublishedBase, full: bool, copy: bool
+) -> Snapshot:
+    """A snapshot of ``state_dict`` (torch tensors on any device, NumPy or CuPy arrays)
+    for the base's next version.
+
+    ``copy``: take private copies of host tensors now (see the module's text).
+    ``full``: a keyframe is due, so GPU tensors are not diffed on their device; a layout
+    other than the last snapshot's is published in full too.
+    """
+    found = layout(state_dict, dtype)
+    version = base.next_version
+    full = full or dict(found.specs) != base.prepared_specs
+    snap = Snapshot(version, found.specs, found.aliases)
+    on_device: set[str] = set()
+    for name, value in found.values.items():
+        spec = found.specs[name]
+        if on_gpu(value):
+            on_device.add(name)
+            delta = None if full else base.device_delta(spec, value)
+            if delta is not None:
+                snap.device[name] = delta
+            elif copy:
+                bits = base.device_keep(name, value)
+                snap.sources[name] = lambda bits=bits: bits  # type: ignore[misc]
+            else:
+                snap.sources[name] = lambda name=name, value=value: base.device_keep(name, value)  # type: ignore[misc]
+            continue
+        snap.sources[name] = _host_source(value, found.source_dtypes[name], spec.dtype, copy)
+    base.prepared(version, found.specs, on_device)
+    return snap

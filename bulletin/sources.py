@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -86,6 +87,10 @@ class Reader(Protocol):
     def ancestors(self, child: StoredManifest, *, floor: int = 1) -> Iterator[StoredManifest]: ...
 
     def download(self, refs: Sequence[ObjectRef], on_bytes: Callable[[int], None] | None = None) -> list[bytes]: ...
+
+    def download_file(
+        self, ref: ObjectRef, path: str | os.PathLike[str], on_bytes: Callable[[int], None] | None = None
+    ) -> None: ...
 
 
 def open_run(store: Store, name: str, *, max_workers: int = 8, trust: TrustPolicy | None = None) -> Run:
@@ -405,4 +410,14 @@ class Sources:
             f"downloading {len(refs)} object(s)",
             lambda run: run.download(refs, on_bytes),
             needs=max(versions) if versions else None,
+        )
+
+    def download_file(
+        self, ref: ObjectRef, path: str | os.PathLike[str], on_bytes: Callable[[int], None] | None = None
+    ) -> None:
+        """:meth:`Run.download_file` from the first store that serves the object intact."""
+        self._first(
+            f"downloading {ref.key}",
+            lambda run: run.download_file(ref, path, on_bytes),
+            needs=version_of_data_key(ref.key),
         )

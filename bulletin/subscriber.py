@@ -117,6 +117,11 @@ class Subscriber:
     read in that order, with fallback on errors and on lag (``lag_grace`` seconds; see
     :mod:`bulletin.sources`). Every manifest, from whichever store, must continue the
     chain held.
+
+    Keyframes stream from the store to files, never into memory: a ``local_dir`` takes
+    them straight into its new model folder; any other target is fed from the memory maps
+    of files streamed into a temp folder under ``scratch_dir`` (the system's temp folder
+    by default: give one on a disk, not a RAM-backed ``/tmp``, with room for a keyframe).
     """
 
     def __init__(
@@ -131,6 +136,7 @@ class Subscriber:
         allow_reset: bool = False,
         trust: TrustPolicy | None = None,
         lag_grace: float = DEFAULT_LAG_GRACE,
+        scratch_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         if local_dir is not None and target is not None:
             raise ConfigError("give either local_dir or target, not both")
@@ -147,6 +153,7 @@ class Subscriber:
         self._head_digest: str | None = None
         self._lock = threading.Lock()
         self._on_bytes = on_bytes
+        self._scratch_dir = Path(scratch_dir) if scratch_dir is not None else None
         self.stats = SubscriberStats()
 
     @property
@@ -260,6 +267,7 @@ class Subscriber:
                 on_bytes=self._on_bytes,
                 on_activate=self._activated,
                 on_lost=self._lost,
+                scratch_dir=self._scratch_dir,
             )
         except Exception as exc:
             self.stats.failures += 1

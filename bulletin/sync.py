@@ -20,33 +20,35 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import numpy as np
 from numpy.typing import NDArray
 
-from bulletin.checkpoint import INDEX_NAME, parse_safetensors_header
+from bulletin.checkpoint import INDEX_NAME, Checkpoint
 from bulletin.errors import (
     ChainMismatch,
     FingerprintMismatch,
     FormatError,
     IncompatibleTensors,
     InternalError,
+    NotFound,
     RunRewound,
     VersionNotFound,
     WrongBase,
 )
 from bulletin.run import StoredManifest
 from bulletin.sources import Reader
-from bulletin.target import Held, WeightTarget
+from bulletin.target import Held, WeightTarget, WriteKeyframe
 from patcher.compression import CONTEXT_CODEC
 from patcher.context_decode import decode_changes
 from patcher.decode import decode_views, shard_views
 from patcher.fingerprint import fingerprint, format_fingerprint
 from patcher.fold import fold
 from patcher.format import DEFAULT_LIMITS, ShardHeader, TensorInfo
-from patcher.patch import Patch, TensorSpec, check_layout
-from schemas.manifest import FileRef, PatchRefV2, manifest_files
+from patcher.patch import Patch, TensorDelta, TensorSpec, check_layout
+from schemas.manifest import FileRef, ObjectRef, PatchRefV2, manifest_files
 
 __all__ = ["SyncPlan", "SyncReport", "check_chain", "execute", "plan"]
 
@@ -206,31 +208,78 @@ def plan(run: Reader, target: StoredManifest, held: Held | None) -> SyncPlan:
     raise VersionNotFound(f"{run.name}: no keyframe at or below version {target.version} is left in the bucket")
 
 
-def _keyframe_tensors(
-    run: Reader, stored: StoredManifest, on_bytes: Callable[[int], None] | None
-) -> tuple[dict[str, NDArray[np.unsignedinteger]], int]:
+def _keyframe_names(stored: StoredManifest) -> list[tuple[ObjectRef, str]]:
+    """The keyframe's objects and the file name each takes in a model folder (its key's
+    last part: ``model.safetensors``, ``model-0000i-of-0000n.safetensors``, the index)."""
     ref = stored.manifest.keyframe
     if ref is None:
         raise InternalError(f"version {stored.version} has no keyframe, yet a route was planned through it")
-    files = [f for f in ref.files if not f.key.endswith(INDEX_NAME)]
-    blobs = run.download(files, on_bytes)
-    specs = stored.manifest.specs
-    out: dict[str, NDArray[np.unsignedinteger]] = {}
-    for f, data in zip(files, blobs, strict=True):
-        header = parse_safetensors_header(data, len(data), source=f.key)
-        buffer = np.frombuffer(data, dtype=np.uint8)
-        for name, (begin, end) in header.offsets.items():
-            if name not in specs or header.specs[name] != specs[name] or name in out:
-                raise FormatError(f"{f.key}: tensor {name!r} is not what the manifest lists")
-            raw = buffer[header.data_start + begin : header.data_start + end]
-            out[name] = raw.view(specs[name].bits_dtype).reshape(specs[name].shape)
-    if out.keys() != specs.keys():
-        raise FormatError(f"version {stored.version}: keyframe files do not hold every tensor")
-    expected = stored.manifest.fingerprints
-    for name, bits in out.items():
-        if fingerprint(bits) != expected[name]:
-            raise FingerprintMismatch(f"version {stored.version}: keyframe tensor {name!r} fails its fingerprint")
-    return out, sum(len(b) for b in blobs)
+    out: list[tuple[ObjectRef, str]] = []
+    for f in ref.files:
+        name = f.key.rpartition("/")[2]
+        if not f.key.startswith(ref.prefix.rstrip("/") + "/") or not _is_keyframe_file(name):
+            raise FormatError(f"version {stored.version}: keyframe object {f.key!r} is not a checkpoint file")
+        out.append((f, name))
+    if len({name for _, name in out}) != len(out):
+        raise FormatError(f"version {stored.version}: keyframe files have one name twice")
+    return out
+
+
+def _is_keyframe_file(name: str) -> bool:
+    return not name.startswith(".") and (name.endswith(".safetensors") or name == INDEX_NAME)
+
+
+def _verified_keyframe(folder: Path, stored: StoredManifest, names: Sequence[str]) -> Checkpoint:
+    """The keyframe streamed into ``folder``, memory-mapped read-only: exactly the manifest's
+    tensors (as the folder's index, if any, maps them: what an engine loads), each one's
+    fingerprint computed once, from the maps, and checked."""
+    where = f"version {stored.version}"
+    try:
+        ckpt = Checkpoint(folder)
+    except NotFound as exc:
+        raise FormatError(f"{where}: keyframe files do not form a checkpoint: {exc}") from exc
+    try:
+        specs = stored.manifest.specs
+        if ckpt.specs != dict(specs) or {p.name for p in ckpt.files} != {n for n in names if n != INDEX_NAME}:
+            raise FormatError(f"{where}: keyframe files do not hold exactly the manifest's tensors")
+        expected = stored.manifest.fingerprints
+        for name in specs:
+            if fingerprint(ckpt.bits(name)) != expected[name]:
+                raise FingerprintMismatch(f"{where}: keyframe tensor {name!r} fails its fingerprint")
+    except BaseException:
+        ckpt.close()
+        raise
+    return ckpt
+
+
+def _keyframe_writer(
+    run: Reader,
+    stored: StoredManifest,
+    report: SyncReport,
+    on_bytes: Callable[[int], None] | None,
+    *,
+    keep_bits: dict[str, NDArray[np.unsignedinteger]] | None = None,
+) -> WriteKeyframe:
+    """What :meth:`WeightTarget.load_keyframe` calls: stream every keyframe file into the
+    folder given (:meth:`Run.download_file`: in bounded memory, each checked against its
+    size and SHA-256 as it arrives), then check the tensors (:func:`_verified_keyframe`).
+    ``keep_bits`` receives read-only views of them, which outlive the folder (file pages,
+    kept mapped): the base for decoding context-coded patches on a target with no bits
+    of its own to show."""
+    files = _keyframe_names(stored)
+
+    def write(folder: Path) -> Checkpoint:
+        t0 = time.perf_counter()
+        for ref, name in files:
+            run.download_file(ref, folder / name, on_bytes)
+            report.bytes_downloaded += ref.size
+        report.download_s += time.perf_counter() - t0
+        ckpt = _verified_keyframe(folder, stored, [name for _, name in files])
+        if keep_bits is not None:
+            keep_bits.update({name: ckpt.bits(name) for name in ckpt.specs})
+        return ckpt
+
+    return write
 
 
 def _check_transition(
@@ -277,31 +326,90 @@ def _context_coded(steps: Sequence[StoredManifest]) -> bool:
     return any(isinstance(step.manifest.patch, PatchRefV2) and step.manifest.patch.context for step in steps)
 
 
+#: Decoded changes (indices and deltas) of transitions held before they are folded into
+#: the route's running fold: with the fold itself and the compressed shards, the whole
+#: working set of a catch-up, however many versions behind.
+FOLD_BATCH_BYTES = 16 << 20
+
+#: A catch-up goes in rounds of at most this share of the model's dense size in decoded
+#: changes (see :func:`_rounds`); each round ends on an exact version, activated.
+ROUND_SHARE = 0.05
+
+#: One transition of a route, checked: its shards' views, headers and tensors.
+_Checked = tuple[list[memoryview], list[ShardHeader], dict[str, TensorInfo]]
+
+
+def _owned(patch: Patch) -> Patch:
+    """``patch`` with arrays of its own: a fold passes through the arrays of a tensor that
+    only one of its inputs changes, which are views into that input's decode arena (every
+    tensor of it), and would keep the whole arena alive."""
+    out: dict[str, TensorDelta] = {}
+    for name, td in patch.tensors.items():
+        shared = td.indices.base is not None or td.delta.base is not None
+        out[name] = replace(td, indices=td.indices.copy(), delta=td.delta.copy()) if shared else td
+    return Patch(out)
+
+
+def _decoded_bytes(patch: Patch) -> int:
+    return sum(td.indices.nbytes + td.delta.nbytes for td in patch)
+
+
 def _decode_route(
-    checked: Sequence[tuple[list[memoryview], list[ShardHeader], dict[str, TensorInfo]]],
+    checked: list[_Checked | None],
     context: Mapping[str, NDArray[np.unsignedinteger]] | None,
     held_fps: Mapping[str, int],
     resolver: WeightTarget | None = None,
+    *,
+    batch_bytes: int | None = None,
 ) -> Patch:
-    """The transitions of a route, decoded and folded into one patch. A context-coded one
-    decodes against ``context`` (the bits held, whose record is ``held_fps``) read through
-    the fold of the transitions before it, which are not applied yet; or, with a
-    ``resolver`` (a target that :attr:`~WeightTarget.resolves_context`), is entropy-decoded
-    here and resolved by the target against the bits where it holds them."""
+    """The transitions of a route, decoded and folded into one patch, in a bounded working
+    set: each transition is decoded in turn and its shards dropped (``checked[i]`` is set
+    to None), and the decoded ones are folded into the running fold whenever they pass
+    ``batch_bytes`` (:data:`FOLD_BATCH_BYTES` by default), tensor by tensor, so that what
+    is held is the fold so far (at most the union of the changes), one batch and one
+    tensor's merge, not every version's changes (:func:`_rounds` bounds the fold).
+
+    A context-coded transition decodes against ``context`` (the bits held, whose record is
+    ``held_fps``) read through the fold of the transitions before it, which are not
+    applied yet; or, with a ``resolver`` (a target that
+    :attr:`~WeightTarget.resolves_context`), is entropy-decoded here and resolved by the
+    target against the bits where it holds them."""
+    bound = FOLD_BATCH_BYTES if batch_bytes is None else batch_bytes
     folded: Patch | None = None
     pending: list[Patch] = []
-    for views, headers, infos in checked:
+    pending_bytes = 0
+
+    def fold_pending() -> None:
+        nonlocal folded, pending_bytes
+        parts = [folded, *pending] if folded is not None else list(pending)
+        pending.clear()
+        pending_bytes = 0
+        folded = _owned(fold(parts)) if len(parts) > 1 else parts[0]
+
+    for i, item in enumerate(checked):
+        if item is None:
+            raise InternalError("a transition of the route was decoded twice")
+        checked[i] = None  # its shards go once decoded
+        views, headers, infos = item
+        del item
         coded = any(h.codec == CONTEXT_CODEC for h in headers)
         if pending and coded:
-            folded = fold([folded, *pending] if folded is not None else pending)
-            pending = []
+            fold_pending()  # it decodes against everything before it, folded
         if resolver is not None and coded and all(h.codec == CONTEXT_CODEC for h in headers):
             changes = [c for view, header in zip(views, headers, strict=True) for c in decode_changes(view, header)]
-            pending.append(resolver.resolve_context(changes, infos, held_fps, pending=folded))
-            continue
-        pending.append(decode_views(views, headers, infos, base=context, base_fingerprints=held_fps, pending=folded))
-    everything = [folded, *pending] if folded is not None else pending
-    return fold(everything) if len(everything) > 1 else everything[0]
+            step = resolver.resolve_context(changes, infos, held_fps, pending=folded)
+        else:
+            step = decode_views(views, headers, infos, base=context, base_fingerprints=held_fps, pending=folded)
+        del views, headers, infos
+        pending.append(step)
+        pending_bytes += _decoded_bytes(step)
+        if pending_bytes > bound:
+            fold_pending()
+    if pending:
+        fold_pending()
+    if folded is None:
+        raise InternalError("a patch route without a transition")
+    return folded
 
 
 def _check_held_layout(step: StoredManifest, layout: Mapping[str, TensorSpec] | None) -> None:
@@ -365,6 +473,7 @@ def execute(
     on_bytes: Callable[[int], None] | None = None,
     on_activate: Callable[[StoredManifest], None] | None = None,
     on_lost: Callable[[], None] | None = None,
+    scratch_dir: Path | None = None,
 ) -> SyncReport:
     """Carry out a plan. On failure the target keeps a verified version (see below).
 
@@ -375,6 +484,14 @@ def execute(
     its bits if the apply does not land on the manifest's fingerprints. A keyframe load
     that fails on a target that cannot restore loads (``restores_loads`` false) calls
     ``on_lost``: ``held`` is no longer what the target holds, and must not be reported.
+
+    A keyframe is streamed from the store to files (:meth:`WeightTarget.load_keyframe`:
+    into the target's own folder, or a temp folder under ``scratch_dir`` whose memory
+    maps feed :meth:`~WeightTarget.load_full`), never held in memory, and each tensor is
+    fingerprinted once. Patches are decoded and folded in a bounded working set
+    (:func:`_decode_route`), in rounds (:func:`_rounds`) when many versions are due: each
+    round lands on an exact version and is activated (``on_activate``) before the next
+    one is downloaded, so a failure in a later round leaves the node on an earlier one.
     """
     if (
         sync_plan.keyframe is None
@@ -393,28 +510,35 @@ def execute(
         sync_plan = plan(run, sync_plan.target, None)
     report = SyncReport(held.version if held else None, sync_plan.target.version)
     current = held
-    keyframe_bits: Mapping[str, NDArray[np.unsignedinteger]] | None = None
+    keyframe_bits: dict[str, NDArray[np.unsignedinteger]] | None = None
     if sync_plan.keyframe is not None:
-        t0 = time.perf_counter()
-        tensors, nbytes = _keyframe_tensors(run, sync_plan.keyframe, on_bytes)
-        keyframe_bits = tensors
-        report.download_s += time.perf_counter() - t0
-        report.bytes_downloaded += nbytes
+        kf = sync_plan.keyframe
+        if _context_coded(sync_plan.patches) and not target.resolves_context:
+            keyframe_bits = {}  # the base to decode against, should the target show none
+        verified = False
+        written = _keyframe_writer(run, kf, report, on_bytes, keep_bits=keyframe_bits)
+
+        def write(folder: Path) -> Checkpoint:
+            nonlocal verified
+            ckpt = written(folder)
+            verified = True  # from here on the target may change
+            return ckpt
+
         t1 = time.perf_counter()
         try:
-            target.load_full(tensors, sync_plan.keyframe.manifest.specs)
-            _stage_files(run, sync_plan.keyframe, target, report, on_bytes)
-            target.activate(sync_plan.keyframe.version, manifest_digest=sync_plan.keyframe.digest)
+            target.load_keyframe(write, kf.manifest.fingerprints, scratch_dir=scratch_dir)
+            _stage_files(run, kf, target, report, on_bytes)
+            target.activate(kf.version, manifest_digest=kf.digest)
         except BaseException:
             target.abort()
-            if not target.restores_loads and on_lost is not None:
+            if verified and not target.restores_loads and on_lost is not None:
                 on_lost()
             raise
-        report.apply_s += time.perf_counter() - t1
-        report.keyframe = sync_plan.keyframe.version
-        current = Held.at(sync_plan.keyframe)
+        report.apply_s += time.perf_counter() - t1 - report.download_s
+        report.keyframe = kf.version
+        current = Held.at(kf)
         if on_activate is not None:
-            on_activate(sync_plan.keyframe)
+            on_activate(kf)
     if not sync_plan.patches:
         return report
     if current is None:
@@ -422,53 +546,97 @@ def execute(
     layout = target.layout()
     for step in sync_plan.patches:
         _check_held_layout(step, layout)
+        if step.manifest.patch is None:
+            raise InternalError(f"version {step.version} has no patch, yet a route was planned through it")
+    # Without bits of its own to show, a target decodes context-coded patches against the
+    # keyframe just loaded, which only the first round starts from: one round then.
+    whole = keyframe_bits is not None and not target.resolves_context and target.context_bits() is None
+    rounds = [sync_plan.patches] if whole else _rounds(sync_plan.patches)
+    for patches in rounds:
+        _apply_round(run, patches, target, current, report, on_bytes, keyframe_bits)
+        current = Held.at(patches[-1])
+        keyframe_bits = None
+        if on_activate is not None:
+            on_activate(patches[-1])
+    return report
+
+
+def _decoded_bound(step: StoredManifest) -> int:
+    """The most bytes the decoded changes of ``step``'s patch take (int64 indices, deltas)."""
+    width = max((spec.width for spec in step.manifest.specs.values()), default=1)
+    changed = step.manifest.patch.changed_elements if step.manifest.patch is not None else 0
+    return changed * (8 + width)
+
+
+def _rounds(patches: Sequence[StoredManifest]) -> list[Sequence[StoredManifest]]:
+    """``patches`` cut into consecutive rounds whose decoded changes stay under
+    :data:`ROUND_SHARE` of the model's dense size (or :data:`FOLD_BATCH_BYTES`, whichever
+    is more): a round is downloaded, folded, applied and activated before the next one
+    is downloaded, so that a node far behind holds one round's changes, not every one's."""
+    out: list[Sequence[StoredManifest]] = []
+    first, total = 0, 0
+    for i, step in enumerate(patches):
+        bound = max(FOLD_BATCH_BYTES, ROUND_SHARE * step.manifest.stats.total_bytes)
+        size = _decoded_bound(step)
+        if i > first and total + size > bound:
+            out.append(patches[first:i])
+            first, total = i, 0
+        total += size
+    out.append(patches[first:])
+    return out
+
+
+def _apply_round(
+    run: Reader,
+    patches: Sequence[StoredManifest],
+    target: WeightTarget,
+    current: Held,
+    report: SyncReport,
+    on_bytes: Callable[[int], None] | None,
+    keyframe_bits: Mapping[str, NDArray[np.unsignedinteger]] | None,
+) -> None:
+    """Download, check, decode and fold ``patches`` (consecutive, the first one patching
+    ``current``), apply them in one go and activate the last one's version."""
     t0 = time.perf_counter()
-    refs = [ref for step in sync_plan.patches for ref in (step.manifest.patch.shards if step.manifest.patch else ())]
+    refs = [ref for step in patches for ref in (step.manifest.patch.shards if step.manifest.patch else ())]
     blobs = run.download(refs, on_bytes)
     report.download_s += time.perf_counter() - t0
     report.bytes_downloaded += sum(len(b) for b in blobs)
     t1 = time.perf_counter()
     held_fps = current.fingerprints
+    reached = patches[-1]
 
     def stage() -> None:
-        _stage_files(run, sync_plan.target, target, report, on_bytes)
+        _stage_files(run, reached, target, report, on_bytes)
 
-    counts: list[int] = []  # shards of each transition
-    for step in sync_plan.patches:
-        if step.manifest.patch is None:
-            raise InternalError(f"version {step.version} has no patch, yet a route was planned through it")
-        counts.append(len(step.manifest.patch.shards))
+    counts = [len(step.manifest.patch.shards) if step.manifest.patch else 0 for step in patches]
     # Every transition's headers are read and checked against its manifest before any
     # payload is decompressed: nothing is sized by a header the manifests do not back.
-    checked = []
+    checked: list[_Checked | None] = []
     position = 0
     parent_fps: Mapping[str, int] = held_fps
-    for step, count in zip(sync_plan.patches, counts, strict=True):
+    for step, count in zip(patches, counts, strict=True):
         views, headers, infos = shard_views(blobs[position : position + count], DEFAULT_LIMITS)
         _check_transition(step, parent_fps, infos, headers)
         checked.append((views, headers, infos))
         position += count
         parent_fps = step.manifest.fingerprints
-    if len(sync_plan.patches) == 1 and target.supports_shards:
+    report.transitions += len(patches)
+    if len(patches) == 1 and target.supports_shards:
         # One version behind (the steady state): the target applies straight from the
         # shards, which decode as they are applied (patcher.apply_shards).
-        infos = checked[0][2]
-        report.decode_s = time.perf_counter() - t1
-        report.transitions = 1
-        report.changed_elements = sum(info.changed for info in infos.values())
+        infos = checked[0][2] if checked[0] is not None else {}
+        report.decode_s += time.perf_counter() - t1
+        report.changed_elements += sum(info.changed for info in infos.values())
         t2 = time.perf_counter()
-        _apply_and_activate(target, sync_plan.target, lambda: target.apply_shards(blobs, held_fps), stage)
+        _apply_and_activate(target, reached, lambda: target.apply_shards(blobs, held_fps), stage)
     else:
+        del blobs  # each transition's shards go once it is decoded (the views hold them)
         resolver = target if target.resolves_context else None
         context = None if resolver is not None else target.context_bits() or keyframe_bits
         folded = _decode_route(checked, context, held_fps, resolver)
-        del checked
-        report.decode_s = time.perf_counter() - t1
-        report.transitions = len(sync_plan.patches)
-        report.changed_elements = folded.changed_elements
+        report.decode_s += time.perf_counter() - t1
+        report.changed_elements += folded.changed_elements
         t2 = time.perf_counter()
-        _apply_and_activate(target, sync_plan.target, lambda: target.apply(folded, held_fps), stage)
+        _apply_and_activate(target, reached, lambda: target.apply(folded, held_fps), stage)
     report.apply_s += time.perf_counter() - t2
-    if on_activate is not None:
-        on_activate(sync_plan.target)
-    return report

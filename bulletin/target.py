@@ -38,6 +38,7 @@ import os
 import re
 import secrets
 import shutil
+import tempfile
 import weakref
 import zipfile
 from abc import ABC, abstractmethod
@@ -78,13 +79,16 @@ from schemas.manifest import MAX_FILE_BYTES, FileRef
 if TYPE_CHECKING:
     from bulletin.run import StoredManifest
 
-__all__ = ["ArrayTarget", "Held", "LocalDirTarget", "WeightTarget", "read_local_state"]
+__all__ = ["ArrayTarget", "Held", "LocalDirTarget", "WeightTarget", "WriteKeyframe", "read_local_state"]
 
 log = logging.getLogger("bulletin.target")
 
 Bits = NDArray[np.unsignedinteger]
 #: Downloads model files (checked against their refs' sizes and SHA-256), in order.
 FetchFiles = Callable[[Sequence[FileRef]], Sequence[bytes]]
+#: Streams a keyframe's files into the folder given and returns them verified (sync's part
+#: of :meth:`WeightTarget.load_keyframe`: the target only says where they go).
+WriteKeyframe = Callable[[Path], Checkpoint]
 #: A change an ArrayTarget applied: a decoded patch, or the shards it applied straight from.
 _Applied = Patch | Sequence[bytes]
 
@@ -137,6 +141,11 @@ class WeightTarget(ABC):
     #: target may hold the new bits, the old ones, or a mix.
     restores_loads: bool = True
 
+    #: Whether :meth:`load_keyframe` stages the keyframe where nothing served reads it
+    #: until :meth:`activate` (a new folder), so that it may stream from the store while
+    #: requests run, even for an ``in_place`` target.
+    stages_keyframes: bool = False
+
     @property
     def supports_shards(self) -> bool:
         """Whether :meth:`apply_shards` applies straight from encoded shards; sync then
@@ -159,6 +168,27 @@ class WeightTarget(ABC):
     @abstractmethod
     def load_full(self, tensors: Mapping[str, Bits], specs: Mapping[str, TensorSpec]) -> None:
         """Replace every tensor's bits (arrays of the specs' bits dtypes); checks first."""
+
+    def load_keyframe(
+        self, write: WriteKeyframe, fingerprints: Mapping[str, int], *, scratch_dir: Path | None = None
+    ) -> None:
+        """Replace every tensor's bits with a keyframe's, streamed from the store: ``write``
+        streams its files into the folder it is given and returns them as a read-only
+        :class:`~bulletin.checkpoint.Checkpoint`, every byte and every tensor's fingerprint
+        checked (they are ``fingerprints``); a failure there raises before anything held
+        changes. Then as :meth:`load_full`.
+
+        Default: the files go to a temp folder under ``scratch_dir`` (the system's temp
+        folder when None), :meth:`load_full` gets views of their memory maps (file pages,
+        no anonymous copy of the model), and the folder is removed afterwards. A target
+        that keeps a folder streams into the folder it will serve (:class:`LocalDirTarget`).
+        """
+        with (
+            tempfile.TemporaryDirectory(prefix=".bulletin-keyframe-", dir=scratch_dir) as folder,
+            write(Path(folder)) as verified,
+        ):
+            specs = verified.specs
+            self.load_full({name: verified.bits(name) for name in specs}, specs)
 
     def prepare(self, patch: Patch, fingerprints: Mapping[str, int]) -> None:
         """Check and precompute an :meth:`apply` of ``patch`` by reading only, so that a
@@ -792,6 +822,25 @@ class LocalDirTarget(WeightTarget):
 
     def load_full(self, tensors: Mapping[str, Bits], specs: Mapping[str, TensorSpec]) -> None:
         _check_full(tensors, specs)
+        self._load_into_new_folder(lambda folder: write_checkpoint(folder, specs, tensors), None)
+
+    stages_keyframes = True  # a new model folder; ``current`` moves at activate
+
+    def load_keyframe(
+        self, write: WriteKeyframe, fingerprints: Mapping[str, int], *, scratch_dir: Path | None = None
+    ) -> None:
+        """The keyframe's files are streamed straight into a new model folder (read once,
+        written once); their fingerprints, checked by ``write``, are not computed again."""
+
+        def stream(folder: Path) -> None:
+            with write(folder):
+                pass  # verified; the folder's writable maps are opened below
+
+        self._load_into_new_folder(stream, dict(fingerprints))
+
+    def _load_into_new_folder(self, fill: Callable[[Path], object], fingerprints: dict[str, int] | None) -> None:
+        """Stage a keyframe in a fresh marked folder that ``fill`` writes its tensor files
+        into (``fingerprints``: theirs, known verified; None: computed at activation)."""
         self._discard_pending()
         name = f"model-{secrets.token_hex(6)}"
         folder = self.dir / name
@@ -799,7 +848,7 @@ class LocalDirTarget(WeightTarget):
             with os_errors(f"cannot create {folder}"):
                 os.mkdir(folder)
                 os.close(os.open(folder / self.MARKER, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
-            write_checkpoint(folder, specs, tensors)
+            fill(folder)
             # The files held go to the new folder too (stage_files may replace them).
             missing = self._sync_files(name, self._files)
             ckpt = Checkpoint(folder, writable=True)
@@ -807,7 +856,7 @@ class LocalDirTarget(WeightTarget):
             self._remove_model(name, quiet=True)  # nothing half-written stays behind
             raise
         self._pending = (name, ckpt)
-        self._pending_fps = None
+        self._pending_fps = fingerprints
         self._pending_files = {path: digest for path, digest in self._files.items() if path not in missing}
 
     def _working(self) -> tuple[str, Checkpoint]:

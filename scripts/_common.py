@@ -11,12 +11,17 @@ Tests import this as ``scripts._common``; a script puts the repository root on
 
 from __future__ import annotations
 
-from typing import TypeVar
+import contextlib
+import threading
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Self, TypeVar
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-__all__ = ["llama", "llama_config", "serving"]
+__all__ = ["MemoryPeak", "llama", "llama_config", "memory_status", "serving"]
 
 M = TypeVar("M", bound=torch.nn.Module)
 
@@ -69,3 +74,57 @@ def serving(model: M, dtype: torch.dtype = torch.bfloat16, device: str | None = 
     torch.nn.Module.to(model, device=device, dtype=dtype)
     torch.nn.Module.eval(model)
     return model
+
+
+def memory_status(pid: int | str = "self") -> dict[str, int]:
+    """``RssAnon``, ``RssFile``, ``VmRSS`` and ``VmHWM`` of a process, in bytes, from
+    ``/proc/<pid>/status`` (Linux): anonymous memory is what a process holds itself;
+    file-backed pages (memory maps) are the page cache's, reclaimable."""
+    out: dict[str, int] = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("RssAnon", "RssFile", "VmRSS", "VmHWM"):
+            out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+class MemoryPeak:
+    """The peak anonymous memory of a process (``RssAnon``, sampled every ``interval``
+    seconds on a thread; the kernel keeps no peak of it) while the ``with`` block runs.
+
+    >>> with MemoryPeak() as peak:
+    ...     work()
+    >>> peak.anon, peak.start   # bytes: the peak, and what was held when the block began
+    """
+
+    def __init__(self, pid: int | str = "self", interval: float = 0.002) -> None:
+        self.pid, self.interval = pid, interval
+        self.start = self.anon = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.anon = max(self.anon, memory_status(self.pid)["RssAnon"])
+            except (FileNotFoundError, ProcessLookupError, KeyError):  # the process is gone
+                return
+            time.sleep(self.interval)
+
+    def __enter__(self) -> Self:
+        self.start = self.anon = memory_status(self.pid)["RssAnon"]
+        self._thread.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._stop.set()
+        self._thread.join()
+        with contextlib.suppress(FileNotFoundError, KeyError):
+            self.anon = max(self.anon, memory_status(self.pid)["RssAnon"])
+
+    @property
+    def beyond(self) -> int:
+        """Bytes of anonymous memory above what was held when the block began."""
+        return self.anon - self.start

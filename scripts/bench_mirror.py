@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import threading
@@ -47,6 +48,7 @@ from bulletin.demo import SyntheticAdamW, llama_layout  # noqa: E402
 from bulletin.mirror import Mirror  # noqa: E402
 from bulletin.run import Run  # noqa: E402
 from bulletin.storage import ObjectData, Store, drop_memory_bucket, open_store  # noqa: E402
+from bulletin.storage.base import Downloaded  # noqa: E402
 from bulletin.storage.wrapper import WrapperStore  # noqa: E402
 from bulletin.target import ArrayTarget  # noqa: E402
 from schemas.manifest import ObjectRef  # noqa: E402
@@ -77,12 +79,12 @@ class Egress(WrapperStore):
             self.bytes: Counter[str] = Counter()
             self.requests = 0
 
-    def _served(self, key: str, obj: ObjectData | None) -> None:
+    def _served(self, key: str, size: int | None) -> None:
         with self._lock:
             self.requests += 1
-            if obj is not None:
+            if size is not None:
                 self.reads[key] += 1
-                self.bytes[kind_of(key)] += len(obj.data)
+                self.bytes[kind_of(key)] += size
 
     def get(self, key: str, *, max_bytes: int | None = None) -> ObjectData:
         try:
@@ -90,7 +92,7 @@ class Egress(WrapperStore):
         except Exception:
             self._served(key, None)
             raise
-        self._served(key, obj)
+        self._served(key, None if obj is None else len(obj.data))
         return obj
 
     def get_if_changed(self, key: str, etag: str | None, *, max_bytes: int | None = None) -> ObjectData | None:
@@ -99,8 +101,19 @@ class Egress(WrapperStore):
         except Exception:
             self._served(key, None)
             raise
-        self._served(key, obj)
+        self._served(key, None if obj is None else len(obj.data))
         return obj
+
+    def get_to_file(
+        self, key: str, path: str | os.PathLike[str], *, sha256: str | None = None, max_bytes: int | None = None
+    ) -> Downloaded:
+        try:
+            done = super().get_to_file(key, path, sha256=sha256, max_bytes=max_bytes)
+        except Exception:
+            self._served(key, None)
+            raise
+        self._served(key, done.size)  # keyframes stream to files: served all the same
+        return done
 
     def data_reads(self) -> Counter[str]:
         """Reads of data objects (patch shards and keyframe files) only, by key."""

@@ -9,6 +9,8 @@ Subfolders add their own fixtures in their own ``conftest.py``.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import uuid
 from collections.abc import Iterator
 
@@ -22,6 +24,13 @@ def pytest_configure(config: pytest.Config) -> None:
     # botocore probes the EC2 metadata address for credentials when it finds none
     # elsewhere: tests must never send traffic beyond loopback.
     os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
+    # Publishers keep their bases in a cache folder (bulletin.base): the session's own,
+    # removed at its end, never the developer's ~/.cache (subprocesses inherit it).
+    os.environ["BULLETIN_CACHE_DIR"] = tempfile.mkdtemp(prefix="bulletin-test-cache-")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(os.environ.pop("BULLETIN_CACHE_DIR", ""), ignore_errors=True)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

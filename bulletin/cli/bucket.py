@@ -110,6 +110,13 @@ def _age(created: datetime) -> str:
 @dtype_option
 @files_options
 @signing_option
+@click.option(
+    "--cache-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Where the last published version's bits are kept between publishes, memory-mapped "
+    "[default: $BULLETIN_CACHE_DIR or ~/.cache/bulletin, under publisher/<store>/<run>].",
+)
 @json_option
 @pass_output
 def publish_command(
@@ -125,12 +132,16 @@ def publish_command(
     include_files: tuple[str, ...],
     exclude_files: tuple[str, ...],
     signing_key: Path | None,
+    cache_dir: Path | None,
 ) -> None:
     """Publish a safetensors checkpoint (file or directory) as the run's next version.
 
     A directory's model files (config, generation config, tokenizer files, chat
     template) are published with it, once: every node folder then holds them beside
-    the tensors. Files left out (pickled weights, code, ...) are listed."""
+    the tensors. Files left out (pickled weights, code, ...) are listed. The checkpoint
+    is read through memory maps, and diffed tensor by tensor against the last published
+    version's bits, kept between publishes in --cache-dir (verified against the run,
+    rebuilt from it when missing or stale)."""
     from bulletin.model_files import TENSORS, select_model_files
     from bulletin.publisher import Publisher
     from bulletin.signing import load_signer
@@ -157,6 +168,7 @@ def publish_command(
             codec=codec,
             on_bytes=on_bytes,
             signing_key=load_signer(signing_key),
+            cache_dir=cache_dir,
         )
         # No files (--no-files, a single file, a weights-only folder): the previous version's.
         given = selected if selected is not None and len(selected) else None

@@ -56,8 +56,10 @@ from bulletin.sidecar.requirements import VersionRequirement
 from bulletin.target import Held, WeightTarget
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from bulletin.subscriber import VerifyReport
-    from bulletin.target import FetchFiles
+    from bulletin.target import FetchFiles, WriteKeyframe
     from patcher.context_decode import CodedChanges
     from patcher.format import TensorInfo
     from patcher.patch import Patch, TensorSpec
@@ -193,6 +195,7 @@ class GatedTarget(WeightTarget):
         self.inner = inner
         self.in_place = inner.in_place if in_place is None else in_place
         self.restores_loads = inner.restores_loads
+        self.stages_keyframes = inner.stages_keyframes
         self.metrics = metrics or SidecarMetrics()
         self.bridge: GateBridge | None = None
         self.on_preempt = on_preempt
@@ -241,6 +244,17 @@ class GatedTarget(WeightTarget):
         self._loaded = True
         self.inner.load_full(tensors, specs)
         self.metrics.apply_seconds.observe(time.perf_counter() - started)
+
+    def load_keyframe(
+        self, write: WriteKeyframe, fingerprints: Mapping[str, int], *, scratch_dir: Path | None = None
+    ) -> None:
+        if self.in_place and not self.inner.stages_keyframes:
+            # Never download under the gate: the default streams to scratch files, then
+            # load_full above holds it for the load alone.
+            super().load_keyframe(write, fingerprints, scratch_dir=scratch_dir)
+            return
+        self._loaded = True
+        self.inner.load_keyframe(write, fingerprints, scratch_dir=scratch_dir)  # nothing served changes yet
 
     def prepare(self, patch: Patch, fingerprints: Mapping[str, int]) -> None:
         self.inner.prepare(patch, fingerprints)

@@ -43,7 +43,7 @@ from patcher.patch import Patch
 
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 #: What differs between two runs of one route: folder ids, process ids, descriptors.
-_RANDOM = re.compile(r"(model-)[0-9a-f]{12}|(tmp-)\d+|(fd)\d+")
+_RANDOM = re.compile(r"(model-)[0-9a-f]{12}|(tmp-)\d+(?:-[0-9a-f]{12})?|(fd)\d+")
 
 
 class Steps:

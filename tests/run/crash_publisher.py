@@ -8,7 +8,13 @@ version:
 - ``shard``: after the first patch shard or keyframe file landed;
 - ``manifest``: after the shards, just before creating the manifest;
 - ``head``: after the manifest was created, before the head moves;
-- ``after``: right after the head moved.
+- ``after``: right after the head moved;
+- ``base``: after the commit, half way through writing the changes into the
+  publisher's cached base (bulletin.base), a patch version;
+- ``state``: after the cached base holds the new bits, before its state file names them.
+
+The cached base lives where ``BULLETIN_CACHE_DIR`` says, so that the test's own
+publisher, resuming, finds what this one left.
 """
 
 from __future__ import annotations
@@ -17,10 +23,14 @@ import os
 import signal
 import sys
 from datetime import datetime
+from typing import Any
 
+import bulletin.base
 from bulletin import Publisher
+from bulletin.run import StoredManifest
 from bulletin.storage import Store, WriteResult, open_store
 from bulletin.storage.wrapper import WrapperStore
+from patcher.patch import Patch
 from tests.run.helpers import ToyTrainer
 
 
@@ -48,6 +58,12 @@ class CrashingStore(WrapperStore):
             self._die()
         return result
 
+    def put_file_if_absent(self, key: str, path: str | os.PathLike[str]) -> WriteResult:
+        result = super().put_file_if_absent(key, path)  # keyframe files are uploaded from files
+        if self.armed and self.crash_at == "shard" and "/keyframes/" in key:
+            self._die()
+        return result
+
     def put_if_match(self, key: str, data: bytes, etag: str) -> WriteResult:
         result = super().put_if_match(key, data, etag)
         if self.armed and self.crash_at == "after" and key.endswith("head.json"):
@@ -55,9 +71,38 @@ class CrashingStore(WrapperStore):
         return result
 
 
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def crash_in_base(store: CrashingStore) -> None:
+    """Arm the ``base`` and ``state`` points: wrap what the base writes after a commit."""
+    real_apply = bulletin.base.apply
+    real_state = bulletin.base.PublishedBase._write_state
+
+    def apply(patch: Patch, tensors: Any, fingerprints: Any, **kwargs: Any) -> dict[str, int]:
+        if store.armed and store.crash_at == "base":
+            changed = [name for name in sorted(patch.tensors) if patch.tensors[name].changed]
+            for name in changed[: max(1, len(changed) // 2)]:  # some tensors written, then killed
+                delta = patch.tensors[name]
+                flat = tensors[name].reshape(-1)
+                flat[delta.indices] += delta.delta
+            _die()
+        return real_apply(patch, tensors, fingerprints, **kwargs)
+
+    def write_state(base: Any, stored: StoredManifest, folder: str, fingerprints: Any) -> None:
+        if store.armed and store.crash_at == "state":
+            _die()
+        real_state(base, stored, folder, fingerprints)
+
+    bulletin.base.apply = apply  # type: ignore[assignment]
+    bulletin.base.PublishedBase._write_state = write_state  # type: ignore[method-assign]
+
+
 def main(argv: list[str]) -> int:
     url, run, seed, steps, crash_at = argv[0], argv[1], int(argv[2]), int(argv[3]), argv[4]
     store = CrashingStore(open_store(url), crash_at)
+    crash_in_base(store)
     trainer = ToyTrainer(seed=seed)
     pub = Publisher(store, run, keyframe_every=3)
     for i in range(steps):

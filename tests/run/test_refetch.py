@@ -7,6 +7,8 @@ after that second read, never retried without end.
 
 from __future__ import annotations
 
+import hashlib
+import os
 import threading
 from collections import Counter
 from pathlib import Path
@@ -16,7 +18,7 @@ import pytest
 from bulletin import Subscriber
 from bulletin.errors import DigestMismatch
 from bulletin.storage import Store, open_store
-from bulletin.storage.base import ObjectData
+from bulletin.storage.base import Downloaded, ObjectData
 from bulletin.storage.wrapper import WrapperStore
 from bulletin.target import ArrayTarget
 from tests.run.helpers import assert_bits_equal, publish_versions
@@ -46,6 +48,23 @@ class BadReads(WrapperStore):
         data = bytearray(obj.data)
         data[len(data) // 2] ^= 0x40
         return ObjectData(bytes(data), obj.etag)
+
+    def get_to_file(
+        self,
+        key: str,
+        path: str | os.PathLike[str],
+        *,
+        sha256: str | None = None,
+        max_bytes: int | None = None,
+    ) -> Downloaded:
+        """A streamed read (keyframe files) damaged the same way: a store's stream checks
+        the digest it is given and keeps nothing that fails it."""
+        obj = self.get(key, max_bytes=max_bytes)
+        digest = hashlib.sha256(obj.data).hexdigest()
+        if sha256 is not None and digest != sha256:
+            raise DigestMismatch(f"{key}: SHA-256 {digest} where {sha256} was expected; nothing was kept")
+        Path(path).write_bytes(obj.data)
+        return Downloaded(len(obj.data), obj.etag, digest)
 
 
 def _publish(bucket: Path, versions: int) -> list[dict[str, object]]:

@@ -62,3 +62,21 @@ def test_the_wrapper_passes_model_files_on_to_a_folder(tmp_path: Path) -> None:
             held.pop("model.safetensors.index.json", None)
             assert held == files, version
     gated.close()
+
+
+class _StreamedOnly(LocalDirTarget):
+    def load_full(self, tensors: Mapping[str, NDArray[Any]], specs: Any) -> None:
+        raise AssertionError("a folder behind the gate must stream keyframes into place, not load copies")
+
+
+def test_a_folder_behind_the_wrapper_streams_keyframes_into_place(tmp_path: Path) -> None:
+    trainer = ToyTrainer(seed=6)
+    with Publisher(tmp_path / "bucket", "r", keyframe_every=1) as pub:
+        pub.publish(trainer.state)
+        trainer.step()
+        pub.publish(trainer.state)
+    gated = GatedTarget(_StreamedOnly(tmp_path / "node"))
+    assert gated.in_place and gated.inner.stages_keyframes  # applies change files in place; keyframes do not
+    with Subscriber(tmp_path / "bucket", "r", target=gated) as sub:
+        assert sub.sync(1) == 1 and sub.sync(2) == 2  # two keyframes
+    gated.close()

@@ -92,6 +92,7 @@ class Fault:
 
             monkeypatch.setattr(bulletin.fileio, "open", fake_open, raising=False)
             return
+        where = where.removeprefix("os.")  # "os.open": the descriptor-level open
         real = getattr(os, where)
 
         def fake(*args: Any, **kwargs: Any) -> Any:
@@ -143,7 +144,7 @@ def assert_holds(node: Path, expected: dict[int, dict[str, int]], version: int |
 
 #: (call, file-name fragment it must touch, routes where that call happens)
 FAULTS: list[tuple[str, str, tuple[str, ...]]] = [
-    ("open", "model.safetensors", ("fresh", "downgrade")),  # writing the keyframe
+    ("os.open", ".model.safetensors.tmp-", ("fresh", "downgrade")),  # streaming the keyframe in (its temp file)
     ("open", "journal.npz", ("catch-up",)),  # the undo data
     ("open", "journal.json", ("catch-up",)),  # the journal, after the undo data
     ("open", "state.json", ("fresh", "catch-up", "downgrade")),  # the new state, at activation
@@ -160,7 +161,7 @@ CASES = [
     for code in (errno.ENOSPC, errno.EROFS, errno.EACCES)
 ] + [
     pytest.param("catch-up", "open", "journal.npz", errno.EPERM, id="catch-up-open:journal.npz-EPERM"),
-    pytest.param("fresh", "open", "model.safetensors", errno.EDQUOT, id="fresh-open:model-EDQUOT"),
+    pytest.param("fresh", "os.open", ".model.safetensors.tmp-", errno.EDQUOT, id="fresh-os.open:model-EDQUOT"),
     pytest.param("downgrade", "replace", "", errno.EIO, id="downgrade-replace-EIO"),
 ]
 
@@ -237,7 +238,7 @@ def _raise_memory_error(*args: Any, **kwargs: Any) -> Any:
 
 @pytest.mark.parametrize(
     ("route", "what"),
-    [("catch-up", "apply_patch"), ("fresh", "write_checkpoint"), ("downgrade", "write_checkpoint")],
+    [("catch-up", "apply_patch"), ("fresh", "Checkpoint"), ("downgrade", "Checkpoint")],
 )
 def test_out_of_memory_is_a_typed_one_line_error_and_the_held_version_stays(
     run_url: tuple[str, dict[int, dict[str, int]]],
