@@ -29,12 +29,13 @@ from types import TracebackType
 from typing import Self
 
 from bulletin.errors import BulletinError, ChainMismatch, ConfigError, RunRewound, VersionNotFound
+from bulletin.replica_log import Layout, open_replica
 from bulletin.run import Run, StoredManifest
 from bulletin.signing import TrustPolicy
 from bulletin.sources import DEFAULT_LAG_GRACE, Sources
 from bulletin.storage import Store, open_store
 from bulletin.sync import SyncReport, check_chain, execute, plan
-from bulletin.target import ArrayTarget, Held, LocalDirTarget, WeightTarget
+from bulletin.target import ArrayTarget, Held, WeightTarget
 
 __all__ = ["Subscriber", "SubscriberStats", "VerifyReport"]
 
@@ -122,6 +123,10 @@ class Subscriber:
     them straight into its new model folder; any other target is fed from the memory maps
     of files streamed into a temp folder under ``scratch_dir`` (the system's temp folder
     by default: give one on a disk, not a RAM-backed ``/tmp``, with room for a keyframe).
+
+    ``layout`` is how a ``local_dir`` keeps its bits: ``dense`` (a loadable folder,
+    rewritten per version) or ``log`` (:class:`~bulletin.replica_log.LogDirTarget`: a
+    base folder plus a log of patches, about a patch written per version).
     """
 
     def __init__(
@@ -137,12 +142,13 @@ class Subscriber:
         trust: TrustPolicy | None = None,
         lag_grace: float = DEFAULT_LAG_GRACE,
         scratch_dir: str | os.PathLike[str] | None = None,
+        layout: Layout = "dense",
     ) -> None:
         if local_dir is not None and target is not None:
             raise ConfigError("give either local_dir or target, not both")
         self._sources = Sources(_as_stores(store), run, max_workers=max_workers, trust=trust, lag_grace=lag_grace)
         if target is None:
-            target = LocalDirTarget(Path(local_dir), run=run) if local_dir is not None else ArrayTarget()
+            target = open_replica(Path(local_dir), run=run, layout=layout) if local_dir is not None else ArrayTarget()
         self.target: WeightTarget = target
         self._held: Held | None = target.restored()
         # The held version whose bits verify() found damaged: still what the run's chain is

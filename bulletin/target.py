@@ -73,7 +73,14 @@ from patcher.fingerprint import fingerprint, format_fingerprint, parse_fingerpri
 from patcher.format import TensorInfo
 from patcher.patch import Patch, TensorSpec
 from schemas.common import parse_document
-from schemas.local_state import JournalV1, LocalStateV1, LocalStateV2, local_state_files, parse_local_state
+from schemas.local_state import (
+    JournalV1,
+    LocalStateV1,
+    LocalStateV2,
+    LocalStateV3,
+    local_state_files,
+    parse_local_state,
+)
 from schemas.manifest import MAX_FILE_BYTES, FileRef
 
 if TYPE_CHECKING:
@@ -504,6 +511,11 @@ class LocalDirTarget(WeightTarget):
         self._unlock: Callable[[], None] = self._lock()
         try:
             self._state = self._read_state()
+            if isinstance(self._state, LocalStateV3):
+                raise ConfigError(
+                    f"{self.dir} is a replica in the log layout (a base and a patch log, docs/FORMAT.md 9.1): "
+                    "open it with layout='log' (bulletin sync --layout log)"
+                )
             self._files = local_state_files(self._state) if self._state is not None else {}
             self._recover()
             if self._state is not None:
@@ -758,15 +770,9 @@ class LocalDirTarget(WeightTarget):
                     fsync_dir(where)
         return missing
 
-    def stage_files(self, files: Sequence[FileRef], fetch: FetchFiles) -> None:
-        """Copy the version's model files into the folder being staged: those it lacks are
-        fetched (``fetch`` checks them; they are checked again here) and kept under
-        ``files/`` (fsynced) first. Nothing held changes before :meth:`activate`: a crash
-        or :meth:`abort` puts the held version's files back."""
-        wanted = {f.path: f.sha256 for f in files}
-        in_place = self._state is not None and (self._pending is None or self._pending[0] == self._state.model_dir)
-        if in_place and wanted == self._files and self._files_lost is None:
-            return  # the steady state: the held folder keeps its files, checked when opened
+    def _keep_copies(self, files: Sequence[FileRef], fetch: FetchFiles) -> None:
+        """Make ``files/`` hold a checked copy of each of ``files`` (fsynced), fetching the
+        ones it lacks (checked again here)."""
         held = self._copies()
         needed: dict[str, FileRef] = {}
         for ref in files:
@@ -780,6 +786,17 @@ class LocalDirTarget(WeightTarget):
                 if len(data) != ref.size or hashlib.sha256(data).hexdigest() != ref.sha256:
                     raise DigestMismatch(f"{ref.key} ({ref.path}): not the bytes the manifest promises")
                 write_atomic(store / ref.sha256, [data])
+
+    def stage_files(self, files: Sequence[FileRef], fetch: FetchFiles) -> None:
+        """Copy the version's model files into the folder being staged: those it lacks are
+        fetched (``fetch`` checks them; they are checked again here) and kept under
+        ``files/`` (fsynced) first. Nothing held changes before :meth:`activate`: a crash
+        or :meth:`abort` puts the held version's files back."""
+        wanted = {f.path: f.sha256 for f in files}
+        in_place = self._state is not None and (self._pending is None or self._pending[0] == self._state.model_dir)
+        if in_place and wanted == self._files and self._files_lost is None:
+            return  # the steady state: the held folder keeps its files, checked when opened
+        self._keep_copies(files, fetch)
         if self._pending is None:  # only the files change: stage the held folder as it is
             if self._state is None or self._checkpoint is None:
                 raise InvalidInput("nothing is held yet: load a keyframe first")

@@ -14,7 +14,7 @@ from typing import Final
 from pydantic import BaseModel
 
 from schemas.head import HeadV1, HeadV2
-from schemas.local_state import JournalV1, LocalStateV1, LocalStateV2
+from schemas.local_state import JournalV1, LocalStateV1, LocalStateV2, LocalStateV3
 from schemas.manifest import ManifestV1, ManifestV2, ManifestV3
 from schemas.signature import SignatureV1
 
@@ -32,6 +32,7 @@ DOCUMENTS: Final[dict[str, type[BaseModel]]] = {
     "signature.v1.schema.json": SignatureV1,
     "local-state.v1.schema.json": LocalStateV1,
     "local-state.v2.schema.json": LocalStateV2,
+    "local-state.v3.schema.json": LocalStateV3,
     "journal.v1.schema.json": JournalV1,
 }
 

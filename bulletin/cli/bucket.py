@@ -6,6 +6,7 @@ other commands start without loading the storage and sync stack.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -14,7 +15,7 @@ from contextlib import contextmanager
 from dataclasses import asdict
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import click
 
@@ -28,7 +29,7 @@ from bulletin.cli.options import (
     trust_options,
 )
 from bulletin.cli.output import Output, human_bytes, json_option, pass_output
-from bulletin.errors import InvalidInput
+from bulletin.errors import ConfigError, InvalidInput
 from patcher.compression import AUTO_CODEC, PUBLISH_CODECS
 
 if TYPE_CHECKING:
@@ -237,6 +238,20 @@ def _by_reason(skipped: dict[str, str]) -> dict[str, list[str]]:
     help="Skip re-hashing DIR's bits against its version before syncing (reads the whole model once); "
     "damaged bits are rebuilt from a keyframe, never patched onto.",
 )
+@click.option(
+    "--layout",
+    type=click.Choice(["dense", "log"]),
+    default="dense",
+    show_default=True,
+    help="How DIR keeps its bits: dense (DIR/current, a loadable folder rewritten per version) or log "
+    "(a base folder and a log of verified patches: about a patch written per version; DIR/current "
+    "exists only while the base is the version, see --materialize). docs/FORMAT.md 9.1.",
+)
+@click.option(
+    "--materialize",
+    is_flag=True,
+    help="With --layout log: compact DIR after the sync, so that DIR/current is the version (O(model) writes).",
+)
 @trust_options
 @json_option
 @pass_output
@@ -251,19 +266,31 @@ def sync_command(
     interval: float,
     allow_reset: bool,
     no_verify: bool,
+    layout: Literal["dense", "log"],
+    materialize: bool,
     trusted_keys: tuple[Path, ...],
     max_head_age: float | None,
 ) -> None:
     """Bring a local directory to a version of the run (safetensors under DIR/current)."""
+    from bulletin.replica_log import LogDirTarget
     from bulletin.signing import load_trust
     from bulletin.subscriber import Subscriber
     from bulletin.target import LocalDirTarget
 
+    if materialize and layout != "log":
+        raise ConfigError("--materialize applies to --layout log (a dense DIR/current is always the version)")
     trust = load_trust(trusted_keys, max_head_age)  # a bad key file fails before DIR is opened
     with (
         _byte_progress(out, "downloading") as on_bytes,
         Subscriber(
-            store, run, local_dir, on_bytes=on_bytes, allow_reset=allow_reset, trust=trust, lag_grace=lag_grace
+            store,
+            run,
+            local_dir,
+            on_bytes=on_bytes,
+            allow_reset=allow_reset,
+            trust=trust,
+            lag_grace=lag_grace,
+            layout=layout,
         ) as sub,
     ):
         before = sub.current_version
@@ -271,9 +298,11 @@ def sync_command(
         t0 = time.perf_counter()
         reached = sub.sync(version)
         report = sub.stats.last_report
+        if materialize and isinstance(sub.target, LogDirTarget):
+            sub.target.compact()
         seconds = time.perf_counter() - t0
         downloaded = report.bytes_downloaded if report else 0
-        path = local_dir / LocalDirTarget.CURRENT
+        path = local_dir / LocalDirTarget.CURRENT if os.path.lexists(local_dir / LocalDirTarget.CURRENT) else local_dir
         data = {
             "run": run,
             "from_version": before,

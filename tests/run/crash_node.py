@@ -17,6 +17,10 @@ start, and halfway through its changes (half of them written). Requests::
     {"url": ..., "node": ..., "version": 5, "kill_at": 3}      die before step 3
     {"url": ..., "node": ..., "version": 5, "kill_after": 0.01} the zygote kills it then
     {"url": ..., "node": ..., "version": 5}                   run to the end; lists the steps
+    {..., "layout": "log"}                  the same on a LogDirTarget (``compact_share`` 1.0
+                                            unless given)
+    {..., "layout": "log", "op": "compact"} open the folder and compact it (no sync)
+    {..., "layout": "log", "op": "open"}    open the folder only: its recovery
 
 Answer: ``{"killed": bool, "code": int | null, "steps": [...], "seconds": float}``, where
 ``steps`` names every step the child reached (a counting run names them all).
@@ -39,11 +43,12 @@ from typing import Any
 import bulletin.checkpoint
 import bulletin.target
 from bulletin import Subscriber
+from bulletin.replica_log import LogDirTarget
 from patcher.patch import Patch
 
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 #: What differs between two runs of one route: folder ids, process ids, descriptors.
-_RANDOM = re.compile(r"(model-)[0-9a-f]{12}|(tmp-)\d+(?:-[0-9a-f]{12})?|(fd)\d+")
+_RANDOM = re.compile(r"(model-)[0-9a-f]{12}|(tmp-)\d+(?:-[0-9a-f]{12})?|(fd)\d+|(log/\.?)[0-9a-f]{12}")
 
 
 class Steps:
@@ -127,7 +132,17 @@ class Steps:
 def _child(request: dict[str, Any], out_fd: int) -> None:
     steps = Steps(request["node"], request.get("kill_at"), out_fd)
     steps.install()
-    sub = Subscriber(request["url"], "run", request["node"])
+    op, node = request.get("op", "sync"), request["node"]
+    if request.get("layout", "dense") == "dense":
+        sub = Subscriber(request["url"], "run", node)
+    else:  # the log layout; compaction only where asked for (a share of 1.0 never triggers it)
+        target = LogDirTarget(node, run="run", compact_share=request.get("compact_share", 1.0))
+        if op == "compact":
+            target.compact()
+        if op != "sync":
+            target.close()
+            return
+        sub = Subscriber(request["url"], "run", target=target)
     sub.sync(request["version"])
     sub.close()
 

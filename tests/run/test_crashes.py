@@ -23,10 +23,12 @@ import pytest
 from bulletin import Publisher, Subscriber
 from bulletin.checkpoint import Checkpoint
 from bulletin.maintenance import verify
+from bulletin.replica_log import LogDirTarget
 from bulletin.run import Run
 from bulletin.storage import open_store
-from bulletin.target import ArrayTarget, LocalDirTarget, read_local_state
+from bulletin.target import ArrayTarget, Held, LocalDirTarget, read_local_state
 from patcher.fingerprint import fingerprint, parse_fingerprint
+from schemas.local_state import LocalStateV3
 from tests.run.helpers import ToyTrainer, assert_bits_equal
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -325,3 +327,125 @@ def test_node_killed_at_every_step_of_every_route_recovers_an_exact_version(tmp_
     total = sum(trials.values())
     print(f"{total} killed nodes ({trials}) in {elapsed:.1f}s")
     assert total >= 200, trials
+
+
+# -- the log layout (docs/FORMAT.md 9.1): every step of sync, compaction and recovery ----------
+
+#: name: (how the template is made: the versions synced one after another, "dense:" first
+#: for a dense folder; the request; the versions a kill may leave)
+LOG_ROUTES: dict[str, tuple[list[int], dict[str, Any], set[int | None]]] = {
+    "fresh": ([], {"version": 5}, {None, 4, 5}),  # keyframe 4 into a new base, patch 5 into it
+    "keyframe": ([1], {"version": 4}, {1, 4}),  # a new base replaces base 1
+    "append": ([4, 5], {"version": 6}, {5, 6}),  # base 4, log [5]: log [5, 6]
+    "catch-up": ([4], {"version": 6}, {4, 6}),  # 5 and 6 folded into one entry
+    "downgrade": ([4, 5], {"version": 1}, {5, 1}),  # base and log replaced by keyframe 1
+    "convert": ([-4], {"version": 6}, {4, 6}),  # a dense folder at 4 becomes the base
+    "compact": ([4, 5, 6], {"version": 6, "op": "compact"}, {6}),
+    "auto-compact": ([4, 5], {"version": 6, "compact_share": 0.01}, {5, 6}),
+}
+
+
+def assert_exact_log_version(
+    node: Path, expected: dict[int, dict[str, int]], allowed: set[int | None], why: str
+) -> None:
+    """Open ``node`` as the next log-layout writer would, then check it holds an exact version."""
+    target = LogDirTarget(node, run="run")
+    try:
+        state = read_local_state(node)
+        version = state.version if state else None
+        assert version in allowed, f"{why}: version {version}, expected one of {allowed}"
+        if state is None:
+            assert target.restored() is None
+            assert set(os.listdir(node)) <= {LocalDirTarget.LOCK, LogDirTarget.LOG}, f"{why}: {os.listdir(node)}"
+            return
+        entries = state.log if isinstance(state, LocalStateV3) else []  # a dense folder: its base, no log
+        assert target.restored() == Held(state.version, expected[state.version]), why
+        assert target.full_fingerprints() == expected[state.version], f"{why}: the bits held are not {version}"
+        files = CRASH_FILES[state.version]
+        assert target.files == {p: hashlib.sha256(b).hexdigest() for p, b in files.items()}, why
+        assert sorted(os.listdir(node / LocalDirTarget.FILES)) == sorted(
+            {hashlib.sha256(b).hexdigest() for b in files.values()}
+        ), why
+        listed = {LocalDirTarget.STATE, LocalDirTarget.LOCK, LocalDirTarget.FILES, state.model_dir}
+        if not entries:  # the base is exactly the version: `current` is a loadable checkpoint of it
+            listed.add(LocalDirTarget.CURRENT)
+            assert os.readlink(node / LocalDirTarget.CURRENT) == state.model_dir, why
+            with Checkpoint(node / LocalDirTarget.CURRENT) as ckpt:
+                assert {n: fingerprint(ckpt.bits(n)) for n in ckpt.specs} == expected[state.version], why
+            assert model_files(node / LocalDirTarget.CURRENT) == files, why
+        logs = set(os.listdir(node / LogDirTarget.LOG)) if (node / LogDirTarget.LOG).is_dir() else set()
+        assert logs == {Path(e.file).name for e in entries}, f"{why}: log/ holds {sorted(logs)}"
+        assert set(os.listdir(node)) - {LogDirTarget.LOG} == listed, f"{why}: left {sorted(os.listdir(node))}"
+    finally:
+        target.close()
+
+
+def make_log_template(url: str, where: Path, versions: list[int]) -> None:
+    if versions and versions[0] < 0:  # a dense folder
+        with Subscriber(url, "run", where) as sub:
+            assert sub.sync(-versions[0]) == -versions[0]
+        return
+    target = LogDirTarget(where, run="run", compact_share=1.0)
+    with Subscriber(url, "run", target=target) as sub:
+        for version in versions:
+            assert sub.sync(version) == version
+    if not versions:
+        shutil.rmtree(where)
+
+
+def test_log_node_killed_at_every_step_of_sync_compaction_and_recovery_recovers_an_exact_version(
+    tmp_path: Path,
+) -> None:
+    url = str(tmp_path / "bucket")
+    expected = publish_crash_run(url)
+    node = tmp_path / "node"
+    zygote = CrashNode()
+    rng = np.random.default_rng(8)
+    trials: dict[str, int] = {}
+    recovery_templates: list[Path] = []
+    try:
+        for name, (versions, request, allowed) in LOG_ROUTES.items():
+            template: Path | None = tmp_path / f"log-template-{name}"
+            make_log_template(url, template, versions)  # type: ignore[arg-type]
+            if not versions:
+                template = None
+            fresh_copy(template, node)
+            counted = zygote.trial(url=url, node=str(node), layout="log", **request)
+            assert counted["code"] == 0 and not counted["killed"], name
+            steps = counted["steps"]
+            assert_exact_log_version(node, expected, {request["version"]}, f"{name}, not killed")
+            kills: list[dict[str, Any]] = [{"kill_at": k} for k in range(len(steps))]
+            kills += [{"kill_after": float(rng.uniform(0, counted["seconds"]))} for _ in range(15)]
+            for kill in kills:
+                fresh_copy(template, node)
+                answer = zygote.trial(url=url, node=str(node), layout="log", **request, **kill)
+                at = f"{name}, killed at step {kill['kill_at']} ({steps[kill['kill_at']]})" if "kill_at" in kill else ""
+                if "kill_at" in kill:
+                    assert answer["killed"] and answer["steps"][-1] == steps[kill["kill_at"]], at
+                    if kill["kill_at"] in (len(steps) // 3, len(steps) // 2, 2 * len(steps) // 3):
+                        left = tmp_path / f"left-{name}-{kill['kill_at']}"  # leftovers recovery must clear
+                        shutil.copytree(node, left, symlinks=True)
+                        recovery_templates.append(left)
+                else:
+                    at = f"{name}, killed after {kill['kill_after'] * 1000:.2f} ms (at {answer['steps'][-1:]})"
+                assert_exact_log_version(node, expected, allowed, at)
+                trials[name] = trials.get(name, 0) + 1
+            with Subscriber(url, "run", target=LogDirTarget(node, run="run")) as sub:
+                assert sub.sync(request["version"]) == request["version"]
+            assert_exact_log_version(node, expected, {request["version"]}, f"{name}: synced after the kills")
+        # Recovery itself, killed at each of its steps, on folders a killed writer left.
+        for left in recovery_templates:
+            fresh_copy(left, node)
+            counted = zygote.trial(url=url, node=str(node), layout="log", version=1, op="open")
+            assert counted["code"] == 0, left.name
+            allowed_left: set[int | None] = {None, 1, 4, 5, 6}
+            for k in range(len(counted["steps"])):
+                fresh_copy(left, node)
+                answer = zygote.trial(url=url, node=str(node), layout="log", version=1, op="open", kill_at=k)
+                assert answer["killed"], left.name
+                assert_exact_log_version(node, expected, allowed_left, f"recovery of {left.name}, killed at {k}")
+                trials["recovery"] = trials.get("recovery", 0) + 1
+    finally:
+        zygote.close()
+    print(f"{sum(trials.values())} killed log-layout nodes ({trials})")
+    assert trials.get("recovery", 0) >= 10 and all(trials.get(name, 0) >= 15 for name in LOG_ROUTES), trials

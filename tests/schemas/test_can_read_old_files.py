@@ -46,8 +46,8 @@ def test_v2_local_state_lists_the_files_of_its_version() -> None:
     assert local_state_files(state) == {f.path: f.sha256 for f in manifest_files(third)}
     assert state.manifest_digest == sha256_hex((GOLDEN / "manifest-3.json").read_bytes())
     assert state.model_dump_json().encode() == data
-    with pytest.raises(UnsupportedFormatVersion, match="knows 1, 2"):
-        parse_local_state(data.replace(b'"spec_version":2', b'"spec_version":3'), source="golden")
+    with pytest.raises(UnsupportedFormatVersion, match="knows 1, 2, 3"):
+        parse_local_state(data.replace(b'"spec_version":2', b'"spec_version":4'), source="golden")
     with pytest.raises(FormatError):  # a version 1 state has no files
         parse_local_state(data.replace(b'"spec_version":2', b'"spec_version":1'), source="golden")
 
