@@ -69,6 +69,7 @@ __all__ = [
     "FingerprintMismatch",
     "FormatError",
     "HeadRolledBack",
+    "IncompatibleLayout",
     "IncompatibleTensors",
     "InternalError",
     "InvalidInput",
@@ -78,12 +79,14 @@ __all__ = [
     "ObjectTooLarge",
     "OutOfMemory",
     "PermissionDenied",
+    "RankFailed",
     "ReadOnlyStorage",
     "ReplicaBusy",
     "RunRewound",
     "StaleHead",
     "StorageUnavailable",
     "StoreNotWritable",
+    "UnrepresentableNaN",
     "Unsigned",
     "UnsupportedDtype",
     "UnsupportedFormatVersion",
@@ -103,6 +106,16 @@ class ConfigError(InvalidInput):
     """A store URL, flag or environment setting cannot be used."""
 
     code = "config_error"
+
+
+class IncompatibleLayout(IncompatibleTensors):
+    """An engine holds the checkpoint's tensors in a layout Bulletin cannot patch in
+    place: tensor-parallel shards it cannot map (MoE experts, MLA-derived weights,
+    quantized or repacked parameters, sharding of an unknown layer), or ranks whose
+    pieces overlap or leave a tensor uncovered. Permanent, as every
+    ``IncompatibleTensors``: found when the target binds, before anything is written."""
+
+    code = "incompatible_layout"
 
 
 class StoreNotWritable(ConfigError):
@@ -249,6 +262,14 @@ class OutOfMemory(BulletinError, MemoryError):
 # -- the serving engine ------------------------------------------------------------------
 
 
+class RankFailed(BulletinError):
+    """Another rank of a sharded publish failed, died or timed out (or this one lost the
+    others): nothing was committed for that step, and every rank's base is still the
+    last committed version. Restart the job: each rank resumes from the run."""
+
+    code = "rank_failed"
+
+
 class EngineError(BulletinError):
     """The inference engine could not be reached, or refused or failed to load a version.
 
@@ -256,6 +277,14 @@ class EngineError(BulletinError):
     """
 
     code = "engine_error"
+
+
+class UnrepresentableNaN(EngineError):
+    """A change would set an engine element to a NaN bit pattern, which vLLM's sparse
+    checkpoint patches (the fallback for layouts Bulletin cannot patch in place) read as
+    "unchanged". Refused before anything is written; the engine keeps the version it holds."""
+
+    code = "unrepresentable_nan"
 
 
 # -- the run went somewhere else -------------------------------------------------------

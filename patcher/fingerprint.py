@@ -35,6 +35,7 @@ __all__ = [
     "element_hashes",
     "fingerprint",
     "fingerprint_delta",
+    "fingerprint_rows",
     "format_fingerprint",
     "parse_fingerprint",
 ]
@@ -78,6 +79,41 @@ def fingerprint(bits: NDArray[np.unsignedinteger]) -> int:
         chunk = flat[start : start + CHUNK_ELEMENTS]
         idx = np.arange(start, start + chunk.size, dtype=_U64)
         total = (total + _sum64(element_hashes(idx, chunk))) & 0xFFFFFFFFFFFFFFFF
+    return total
+
+
+def fingerprint_rows(bits: NDArray[np.unsignedinteger], first_index: int, row_stride: int) -> int:
+    """The part of a larger tensor's fingerprint that the elements of ``bits`` contribute.
+
+    ``bits`` (``rows x run``, C order, or 1-D for one row) holds elements of a flat tensor
+    whose element ``(r, c)`` has index ``first_index + r * row_stride + c`` there: a
+    tensor-parallel shard of a checkpoint tensor, say. Fingerprints are sums over
+    elements, so the parts of disjoint shards add up (mod 2**64) to the tensor's
+    :func:`fingerprint`. O(elements) plus O(rows) calls.
+    """
+    rows = bits.reshape(-1, bits.shape[-1]) if bits.ndim else bits.reshape(1, 1)
+    count, run = rows.shape
+    if count <= 1 or row_stride == run:
+        flat = rows.reshape(-1)
+        if native.active() and flat.flags.c_contiguous and flat.dtype.kind == "u" and flat.dtype.isnative:
+            return native.speedups.fingerprint(flat, flat.dtype.itemsize, first_index)
+        return _fingerprint_from(flat, first_index, count * run, run, run)
+    if native.active() and rows.flags.c_contiguous and rows.dtype.kind == "u" and rows.dtype.isnative and run >= 256:
+        total = 0
+        for r in range(count):  # one compiled pass per row: each is contiguous in both
+            total += native.speedups.fingerprint(rows[r], rows.dtype.itemsize, first_index + r * row_stride)
+        return total & 0xFFFFFFFFFFFFFFFF
+    return _fingerprint_from(rows.reshape(-1), first_index, count * run, run, row_stride)
+
+
+def _fingerprint_from(flat: NDArray[np.unsignedinteger], first: int, size: int, run: int, stride: int) -> int:
+    """NumPy form of :func:`fingerprint_rows` over ``flat`` (rows of ``run`` back to back)."""
+    total = 0
+    step = max(run, CHUNK_ELEMENTS // run * run)  # whole rows per chunk
+    for lo in range(0, size, step):
+        pos = np.arange(lo, min(lo + step, size), dtype=np.int64)
+        idx = (first + (pos // run) * stride + pos % run).astype(_U64)
+        total = (total + _sum64(element_hashes(idx, flat[lo : lo + pos.size]))) & 0xFFFFFFFFFFFFFFFF
     return total
 
 

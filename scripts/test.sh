@@ -21,6 +21,8 @@
 #                          the CPU build on this machine's disk; a bare "torch" would
 #                          pull a multi-GB CUDA build)
 #   BULLETIN_SKIP_S3=1     do not start LocalStack (S3 tests then skip)
+#   BULLETIN_TEST_VLLM_PATH  vLLM source kit for tests/tp (default: built or found by
+#                          scripts/vllm_source.py in ~/.cache/bulletin)
 #
 # The codec's compiled fast path (patcher/_speedups.c) must build here: a compile error
 # fails the install and the tests, rather than quietly testing NumPy alone.
@@ -75,6 +77,19 @@ if [[ "${BULLETIN_SKIP_S3:-0}" != 1 ]]; then
     # LocalStack takes any credentials; these keep real ones out of the tests.
     export AWS_ACCESS_KEY_ID=test AWS_SECRET_ACCESS_KEY=test AWS_DEFAULT_REGION=us-east-1
     unset AWS_SESSION_TOKEN AWS_PROFILE AWS_ENDPOINT_URL AWS_ENDPOINT_URL_S3
+fi
+
+# -- 2b. vLLM's own code, for the tensor-parallel tests -------------------------------
+# scripts/vllm_source.py: the vllm wheel's .py files and the few pinned wheels they
+# import, in a cache folder (a warm cache costs nothing). If it cannot be built, the
+# tests that need it skip, or fail under CI=true (tests/tp/conftest.py).
+if [[ -z "${BULLETIN_TEST_VLLM_PATH:-}" ]]; then
+    step "vLLM source kit"
+    if kit="$("$py" "$repo/scripts/vllm_source.py")"; then
+        export BULLETIN_TEST_VLLM_PATH="$kit"
+    else
+        echo "vLLM source kit unavailable: the vLLM TP tests will skip (fail under CI=true)" >&2
+    fi
 fi
 
 # -- 3. the gates -------------------------------------------------------------------

@@ -53,7 +53,7 @@ from bulletin.target import Held, WeightTarget
 from kernels.dispatch import DTYPE_NAMES
 from patcher.context_decode import CodedChanges, needs_base
 from patcher.context_decode import resolve as entry_indices
-from patcher.fingerprint import fingerprint, format_fingerprint
+from patcher.fingerprint import fingerprint, fingerprint_rows, format_fingerprint
 from patcher.fingerprint_update import fingerprint_change
 from patcher.format import TensorInfo
 from patcher.names import check_tensor_name
@@ -66,6 +66,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "TORCH_DTYPE_NAMES",
+    "GlobalIndex",
     "TorchTarget",
     "engine_drops",
     "module_tensors",
@@ -268,12 +269,66 @@ def _packed_view(
     return None
 
 
+@dataclass(frozen=True, slots=True)
+class GlobalIndex:
+    """Where a tensor's elements sit in a larger flat tensor (a checkpoint tensor of which
+    it is a tensor-parallel shard): element ``j`` of the tensor, read flat, is element
+    ``start + (j // run) * stride + j % run`` there, for ``rows`` rows of ``run``.
+
+    A :class:`TorchTarget` tensor with one is patched and fingerprinted in those
+    (global) indices: its fingerprints are partial fingerprints of the larger tensor,
+    which add up over disjoint shards to the larger tensor's own.
+    """
+
+    start: int
+    rows: int
+    run: int
+    stride: int
+
+    def __post_init__(self) -> None:
+        if self.start < 0 or self.rows < 1 or self.run < 1 or (self.rows > 1 and self.stride < self.run):
+            raise InvalidInput(f"not a layout of disjoint rows: {self}")
+
+    @property
+    def numel(self) -> int:
+        return self.rows * self.run
+
+    @property
+    def contiguous(self) -> bool:
+        """Whether the elements are one run of the larger tensor."""
+        return self.rows == 1 or self.stride == self.run
+
+    @property
+    def identity(self) -> bool:
+        """Whether local and global indices are the same (the whole tensor from 0)."""
+        return self.start == 0 and self.contiguous
+
+    @property
+    def stop(self) -> int:
+        """One past the largest global index."""
+        return self.start + (self.rows - 1) * self.stride + self.run
+
+    def of(self, local: NDArray[np.int64]) -> NDArray[np.int64]:
+        """Global indices of local (flat) ones."""
+        if self.contiguous:
+            return local + self.start if self.start else local
+        rows, cols = np.divmod(local, self.run)
+        out: NDArray[np.int64] = self.start + rows * self.stride + cols
+        return out
+
+    def fingerprint(self, bits: NDArray[np.unsignedinteger]) -> int:
+        """The partial fingerprint (global indices) of the tensor's host ``bits``."""
+        return fingerprint_rows(bits.reshape(self.rows, self.run), self.start, self.stride)
+
+
 class _Slot:
-    """One served tensor: the live tensor, its bits view, and the backend that patches it."""
+    """One served tensor: the live tensor, its bits view, and the backend that patches it.
 
-    __slots__ = ("backend", "bits", "device", "flat", "spec", "tensor")
+    ``where`` (a :class:`GlobalIndex`) makes its indices and fingerprints global ones."""
 
-    def __init__(self, tensor: torch.Tensor, spec: TensorSpec) -> None:
+    __slots__ = ("backend", "bits", "device", "flat", "spec", "tensor", "where")
+
+    def __init__(self, tensor: torch.Tensor, spec: TensorSpec, where: GlobalIndex | None = None) -> None:
         from kernels.dispatch import as_bits, backend_for
 
         self.tensor = tensor
@@ -283,6 +338,34 @@ class _Slot:
         self.device = tensor.device
         # A flat torch view of the same memory as signed integers of the element width.
         self.flat = tensor.reshape(-1).view(torch_dtype(_SIGNED_NAMES[spec.width]))
+        # Identity coordinates need no translation: the kernels' own indices are global.
+        self.where = None if where is None or where.identity else where
+
+    @property
+    def host_plan(self) -> bool:
+        """Whether an apply is computed and verified on the host before any write: CPU
+        tensors, and tensors in global coordinates (the kernels hash local indices)."""
+        return self.on_cpu or self.where is not None
+
+    def gather(self, indices: NDArray[np.int64]) -> NDArray[np.unsignedinteger]:
+        """The bits at flat ``indices``, on the host (a copy)."""
+        if self.on_cpu:
+            return self.bits.reshape(-1)[indices]  # type: ignore[no-any-return]
+        return self.download(self.bits.reshape(-1)[self.to_device(indices)])
+
+    def scatter(self, indices: NDArray[np.int64], values: NDArray[np.unsignedinteger]) -> None:
+        """Write host ``values`` at flat ``indices``."""
+        if self.on_cpu:
+            self.bits.reshape(-1)[indices] = values
+            return
+        import cupy
+
+        with cupy.cuda.Device(self.device.index):
+            self.bits.reshape(-1)[cupy.asarray(indices)] = cupy.asarray(values)
+
+    def expected(self, bits: NDArray[np.unsignedinteger]) -> int:
+        """The fingerprint ``bits`` (host, this tensor's shape) have in this slot's indices."""
+        return fingerprint(bits) if self.where is None else self.where.fingerprint(np.ascontiguousarray(bits))
 
     @property
     def on_cpu(self) -> bool:
@@ -341,7 +424,18 @@ class _Slot:
         return indices + (e.start - start) if start != e.start else indices
 
     def fingerprint(self) -> int:
-        return self.backend.fingerprint(self.bits)
+        if self.where is None:
+            return self.backend.fingerprint(self.bits)
+        if self.on_cpu:
+            return self.where.fingerprint(self.bits)
+        # The kernels hash local indices; a partial fingerprint reads the bits on the host,
+        # a block of rows at a time (load verification and sweeps only, never an apply).
+        flat, total = self.bits.reshape(self.where.rows, self.where.run), 0
+        block = max(1, (1 << 24) // self.where.run)
+        for lo in range(0, self.where.rows, block):
+            rows = self.download(flat[lo : lo + block])
+            total += fingerprint_rows(rows, self.where.start + lo * self.where.stride, self.where.stride)
+        return total & _MASK64
 
     def overwrite(self, source: NDArray[np.unsignedinteger]) -> None:
         if self.on_cpu:
@@ -379,8 +473,8 @@ class _HostWrite:
     new: NDArray[np.unsignedinteger]
 
     def write(self, values: NDArray[np.unsignedinteger]) -> None:
-        if values.size < _THREADED_SCATTER:
-            self.slot.bits.reshape(-1)[self.indices] = values
+        if values.size < _THREADED_SCATTER or not self.slot.on_cpu:
+            self.slot.scatter(self.indices, values)
             return
         import torch
 
@@ -450,6 +544,7 @@ class TorchTarget(WeightTarget):
         *,
         aliases: Mapping[str, str] | None = None,
         on_activate: Callable[[int], None] | None = None,
+        coordinates: Mapping[str, GlobalIndex] | None = None,
     ) -> None:
         import torch
 
@@ -467,7 +562,10 @@ class TorchTarget(WeightTarget):
             if not tensor.is_contiguous():
                 raise IncompatibleTensors(f"{name}: tensor is not contiguous; patch its storage instead")
             spec = TensorSpec(name, _dtype_name(tensor, name), tuple(int(d) for d in tensor.shape))
-            self._slots[name] = _Slot(tensor.detach(), spec)
+            where = (coordinates or {}).get(name)
+            if where is not None and where.numel != spec.numel:
+                raise InvalidInput(f"{name}: coordinates for {where.numel} elements, the tensor has {spec.numel}")
+            self._slots[name] = _Slot(tensor.detach(), spec, where)
         self._specs = {name: slot.spec for name, slot in self._slots.items()}
         self._prepared: _Prepared | None = None
         self._undo: _Prepared | None = None
@@ -505,7 +603,8 @@ class TorchTarget(WeightTarget):
     def resolves_context(self) -> bool:
         # Context-coded patches are resolved where the bits live (resolve_context), CPU
         # and CUDA tensors alike; context_bits stays None: nothing is copied to the host.
-        return True
+        # Not for shards of larger tensors: a context-coded entry ranks the whole tensor.
+        return all(slot.where is None for slot in self._slots.values())
 
     def resolve_context(
         self,
@@ -519,6 +618,8 @@ class TorchTarget(WeightTarget):
         tensor's backend (see :class:`~bulletin.target.WeightTarget`). Reads only, and
         runs before :meth:`prepare` (outside the sidecar's gate); what it returns is
         applied as any patch is, with every fingerprint checked again."""
+        if not self.resolves_context:
+            raise InvalidInput("tensors that are shards of larger ones cannot resolve context-coded changes")
         _check_same_layout({name: info.spec for name, info in tensors.items()}, self._specs)
         steps: Mapping[str, TensorDelta] = pending.tensors if pending is not None else {}
         _check_context_base(changes, tensors, fingerprints, steps)
@@ -553,7 +654,7 @@ class TorchTarget(WeightTarget):
             slot.overwrite(tensors[name])
         # Read back from the live tensors (on their device): the engine computes with
         # these bits, so a copy that did not land is found before the version is activated.
-        bad = [name for name, slot in self._slots.items() if slot.fingerprint() != fingerprint(tensors[name])]
+        bad = [name for name, slot in self._slots.items() if slot.fingerprint() != slot.expected(tensors[name])]
         if bad:
             raise VerificationFailed(f"{len(bad)} tensors did not load bit for bit: {bad[:3]}")
 
@@ -580,10 +681,11 @@ class TorchTarget(WeightTarget):
             if not td.changed:
                 continue
             slot = self._slots[name]
-            if slot.on_cpu:
-                old = slot.bits.reshape(-1)[td.indices]
+            if slot.host_plan:
+                old = slot.gather(td.indices)
                 values = old + td.delta  # unsigned: wraps, as deltas are defined
-                new[name] = (new[name] + fingerprint_change(td.indices, old, values)) & _MASK64
+                hashed = td.indices if slot.where is None else slot.where.of(td.indices)
+                new[name] = (new[name] + fingerprint_change(hashed, old, values)) & _MASK64
                 if new[name] != td.target_fingerprint:
                     raise VerificationFailed(
                         f"{name}: the patched bits would fingerprint to {format_fingerprint(new[name])}, "

@@ -23,7 +23,18 @@ every worker. Each worker decodes the shards and applies them with
 parameters (:func:`~bulletin.engines.torch_module.packed_views` finds ``q_proj`` inside
 ``qkv_proj`` and so on). At activation the prefix and encoder caches are reset (nothing
 computed with the old bits is reused), vLLM's weight version is set to Bulletin's, and
-the engine resumes. Tensor parallelism (sharded parameters) is refused at bind time.
+the engine resumes.
+
+Tensor (and pipeline) parallelism: each worker maps the served tensors to the pieces of
+its own parameters with :class:`~bulletin.engines.rank_layout.RankLayout` (vLLM's
+sharding rules per layer class), so its fingerprints are partial ones in checkpoint
+indices. The sidecar builds a :class:`~bulletin.engines.rank_layout.ReplicaPlan` over
+the first engine's workers (refusing overlapping or uncovering layouts at bind),
+computes every rank's partials of the folder's verified bits (O(model) once, then
+O(changed) per patch), checks that they sum to the manifest's fingerprints, and sends
+each rank its base and target partials (keyed by ``"<pp>.<tp>"``): every worker of every
+engine refuses before writing unless its bits land on its own target, and the results
+returned are summed per replica set and compared again before activation.
 
 Every state-changing call carries the fingerprints the worker must end on, and every
 worker checks its own result: vLLM's API server returns the results of the first
@@ -40,7 +51,7 @@ import json
 import logging
 import secrets
 import shutil
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
@@ -49,7 +60,8 @@ from numpy.typing import NDArray
 
 from bulletin import errors
 from bulletin.engines.http import engine_url, request_json
-from bulletin.engines.torch_module import TorchTarget, engine_drops, packed_views
+from bulletin.engines.rank_layout import RankLayout, ReplicaPlan
+from bulletin.engines.vllm_sparse import bind_rank
 from bulletin.errors import (
     BulletinError,
     EngineError,
@@ -74,6 +86,7 @@ SPOOL_SHARD_BYTES: Final = 64 << 20
 #: What a worker's exception message starts its JSON error with (vLLM relays the text).
 ERROR_MARK: Final = "bulletin-error "
 
+_METHODS: Final = frozenset({"bind", "fingerprints", "load", "apply", "abort", "activate"})
 _ERRORS: Final[dict[str, type[BulletinError]]] = {
     cls.code: cls for cls in vars(errors).values() if isinstance(cls, type) and issubclass(cls, BulletinError)
 }
@@ -121,36 +134,43 @@ def _differing(held: Mapping[str, int], expected: Mapping[str, int]) -> list[str
 
 
 class WorkerState:
-    """What one worker holds: its model's views as a TorchTarget. Engine-independent.
+    """What one worker holds: its rank's layout and a TorchTarget over its pieces.
 
     ``model`` is the worker's ``nn.Module``. The extension below creates one per worker;
-    tests drive it with any torch module laid out the way vLLM lays out its own. Served
-    tensors the engine's loader drops (:func:`~bulletin.engines.torch_module.engine_drops`)
-    are left out of the binding: ``dropped`` names them.
+    tests drive it with any torch module laid out the way vLLM lays out its own.
+    :class:`~bulletin.engines.rank_layout.RankLayout` maps each served tensor to the
+    piece of a parameter this rank holds (vLLM's tensor-parallel rules, per layer
+    class), so every fingerprint a worker reports is a *partial* one: over the elements
+    it holds, in the checkpoint's (global) indices; with one rank it is the tensor's.
+    ``pp_rank`` is the worker's pipeline stage (its tensor-parallel rank comes from its
+    layers). Requests carry one value per rank, keyed by :attr:`RankLayout.key`.
     """
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, *, pp_rank: int = 0) -> None:
         self.model = model
-        self.target: TorchTarget | None = None
+        self.pp_rank = pp_rank
+        self.layout: RankLayout | None = None
+        self.target: WeightTarget | None = None
         self.specs: dict[str, TensorSpec] | None = None
-        self.dropped: list[str] = []
+
+    @property
+    def dropped(self) -> list[str]:
+        return sorted(self.layout.dropped) if self.layout is not None else []
 
     def bind(self, specs: Mapping[str, TensorSpec]) -> None:
-        """Find every served tensor in the model's parameters and buffers (no copies)."""
-        params: dict[str, torch.Tensor] = dict(self.model.named_parameters(remove_duplicate=False))
-        params.update(dict(self.model.named_buffers(remove_duplicate=False)))
-        packed = getattr(self.model, "packed_modules_mapping", None) or {}
-        views = packed_views(params, specs, packed, drops=engine_drops)
-        self.target = TorchTarget(views)
+        """Map every served tensor to this rank's piece of it (no copies)."""
+        # vLLM's rules per layer class; what they refuse goes through vLLM's own sparse
+        # checkpoint patches where its loaders are proven to only place elements.
+        layout, self.target = bind_rank(self.model, specs, pp_rank=self.pp_rank)
+        self.layout = layout
         self.specs = dict(specs)
-        self.dropped = sorted(specs.keys() - views.keys())
 
-    def _bound(self, specs: Mapping[str, TensorSpec] | None) -> TorchTarget:
-        if specs is not None and (self.target is None or self.specs != dict(specs)):
+    def _bound(self, specs: Mapping[str, TensorSpec] | None) -> tuple[RankLayout, WeightTarget | None]:
+        if specs is not None and (self.layout is None or self.specs != dict(specs)):
             self.bind(specs)
-        if self.target is None:
+        if self.layout is None:
             raise InvalidInput("the worker has not been bound to a layout yet")
-        return self.target
+        return self.layout, self.target
 
     def handle(self, method: str, request: str) -> dict[str, Any]:
         """Run one request; errors come back as ``{"ok": false, ...}``, never raised."""
@@ -165,48 +185,75 @@ class WorkerState:
             return {"ok": False, "code": InvalidInput.code, "message": f"request is not JSON: {exc}"}
         return {"ok": True, **result}
 
+    def _mine(self, body: Mapping[str, Any], key: str, layout: RankLayout) -> dict[str, int] | None:
+        """This rank's entry of a per-rank field (``{rank key: {name: fingerprint}}``)."""
+        if key not in body:
+            return None
+        per_rank = body[key]
+        if not isinstance(per_rank, dict) or layout.key not in per_rank:
+            raise InvalidInput(f"{key} has no entry for rank {layout.key}")
+        return _fps_from_json(per_rank[layout.key])
+
     def _dispatch(self, method: str, body: dict[str, Any]) -> dict[str, Any]:
+        if method not in _METHODS:
+            raise InvalidInput(f"unknown method {method!r}")
         specs = _specs_from_json(body["specs"]) if "specs" in body else None
-        expect = _fps_from_json(body["expect"]) if "expect" in body else None
+        layout, target = self._bound(specs)
         if method == "bind":
-            self._bound(specs)
-            return {"dropped": self.dropped}
-        target = self._bound(specs)
-        if method == "fingerprints":
-            return {"fingerprints": _fps_to_json(self._check(target.full_fingerprints(), expect, FingerprintMismatch))}
-        if method == "load":
-            from bulletin.checkpoint import Checkpoint
-
-            with Checkpoint(_path(body, "path")) as ckpt:
-                held = target.layout()
-                target.load_full({name: ckpt.bits(name) for name in held}, held)
-            # Read back from the live parameters: what the engine computes with.
-            return {"fingerprints": _fps_to_json(self._check(target.full_fingerprints(), expect, VerificationFailed))}
-        if method == "apply":
-            from patcher.decode import decode
-
-            shards = [Path(p).read_bytes() for p in _paths(body, "shards")]
-            fps = target.apply(decode(shards), _fps_from_json(body.get("fingerprints")))
-            return {"fingerprints": _fps_to_json(self._check(fps, expect, VerificationFailed))}
-        if method == "abort":
-            target.abort()
-            return {}
+            return {"layout": layout.to_json(), "dropped": self.dropped}
+        expect = self._mine(body, "expect", layout)
         if method == "activate":
             version = body.get("version")
             if not isinstance(version, int) or isinstance(version, bool) or version < 0:
                 raise InvalidInput("version must be a non-negative integer")
-            target.activate(version)
-            return {"version": version}
-        raise InvalidInput(f"unknown method {method!r}")
+            if target is not None:
+                target.activate(version)
+            return {"version": version, "rank": layout.key}
+        if target is None:  # a rank that holds none of the served tensors
+            return {"fingerprints": {}, "rank": layout.key}
+        if method == "fingerprints":
+            held = self._check(target.full_fingerprints(), expect, FingerprintMismatch, layout)
+            return {"fingerprints": _fps_to_json(held), "rank": layout.key}
+        if method == "load":
+            from bulletin.checkpoint import Checkpoint
+
+            with Checkpoint(_path(body, "path")) as ckpt:
+                pieces = layout.local_bits({name: ckpt.bits(name) for name in layout.pieces})
+                target.load_full(pieces, target.layout() or {})
+            # Read back from the live parameters: what the engine computes with.
+            held = self._check(target.full_fingerprints(), expect, VerificationFailed, layout)
+            return {"fingerprints": _fps_to_json(held), "rank": layout.key}
+        if method == "apply":
+            from patcher.decode import decode
+
+            base = self._mine(body, "fingerprints", layout)
+            if base is None or expect is None:
+                raise InvalidInput("apply needs each rank's fingerprints and expect")
+            shards = [Path(p).read_bytes() for p in _paths(body, "shards")]
+            local = layout.local_patch(decode(shards), base, expect)
+            # Refused before any write unless the bits read land on this rank's targets.
+            fps = {**base, **target.apply(local, {n: base[n] for n in local.tensors})}
+            return {
+                "fingerprints": _fps_to_json(self._check(fps, expect, VerificationFailed, layout)),
+                "rank": layout.key,
+            }
+        target.abort()
+        return {"rank": layout.key}
 
     @staticmethod
-    def _check(held: dict[str, int], expect: Mapping[str, int] | None, kind: type[BulletinError]) -> dict[str, int]:
+    def _check(
+        held: dict[str, int], expect: Mapping[str, int] | None, kind: type[BulletinError], layout: RankLayout
+    ) -> dict[str, int]:
         if expect is None:
             return held
         bad = _differing(held, expect)
         if bad:
-            exc = kind(f"the worker holds other bits than expected for {len(bad)} tensor(s): {bad[:3]}")
-            exc.details = {"fingerprints": _fps_to_json({n: held[n] for n in bad if n in held}), "mismatched": bad}  # type: ignore[attr-defined]
+            exc = kind(f"rank {layout.key} holds other bits than expected for {len(bad)} tensor(s): {bad[:3]}")
+            exc.details = {  # type: ignore[attr-defined]
+                "fingerprints": _fps_to_json({n: held[n] for n in bad if n in held}),
+                "mismatched": bad,
+                "rank": layout.key,
+            }
             raise exc
         return held
 
@@ -239,7 +286,7 @@ class BulletinWorkerExtension:
         if state is None:
             get_model = getattr(self, "get_model", None)
             model = get_model() if callable(get_model) else self.model_runner.model  # type: ignore[attr-defined]
-            state = WorkerState(model)
+            state = WorkerState(model, pp_rank=_pp_rank())
             self._bulletin_worker_state = state
         return state
 
@@ -266,6 +313,17 @@ class BulletinWorkerExtension:
 
     def bulletin_activate(self, request: str) -> dict[str, Any]:
         return self.bulletin_call("activate", request)
+
+
+def _pp_rank() -> int:
+    """The worker's pipeline stage (``vllm.distributed.get_pp_group().rank_in_group``),
+    0 where vLLM is not importable or its groups are not set up (tests, one stage)."""
+    try:
+        from vllm.distributed import get_pp_group  # type: ignore[import-not-found, unused-ignore]
+
+        return int(get_pp_group().rank_in_group)
+    except Exception:  # not inside a vLLM worker: one stage
+        return 0
 
 
 def _worker_error(text: str) -> dict[str, Any] | None:
@@ -311,8 +369,12 @@ class VLLMTarget(WeightTarget):
         self._bound_specs: dict[str, TensorSpec] | None = None
         #: Served tensors the engine does not hold (see ``engine_drops``), per binding.
         self.dropped: frozenset[str] = frozenset()
+        #: The ranks of one engine and whose partial fingerprints make up each tensor's.
+        self.plan: ReplicaPlan | None = None
         #: Fingerprints of what every worker was last shown to hold (engine tensors only).
         self._engine_fps: dict[str, int] | None = None
+        #: Each rank's partial fingerprints of those bits (``plan.layouts`` order).
+        self._rank_fps: list[dict[str, int]] | None = None
         self._workers: int | None = None
         self._paused = False
 
@@ -413,37 +475,86 @@ class VLLMTarget(WeightTarget):
             return {}
         return {"specs": _specs_to_json(specs)}
 
-    def _bind(self, specs: Mapping[str, TensorSpec]) -> None:
-        if self._bound_specs != dict(specs):
-            dropped = self.call("bind", {"specs": _specs_to_json(specs)})[0].get("dropped") or []
+    def _bind(self, specs: Mapping[str, TensorSpec]) -> ReplicaPlan:
+        if self._bound_specs != dict(specs) or self.plan is None:
+            # A bind may probe parameters through vLLM's own loader (the sparse fallback
+            # swaps a parameter's storage for a moment): nothing may step meanwhile.
+            was_paused = self._paused
+            self.pause()
+            try:
+                results = self.call("bind", {"specs": _specs_to_json(specs)})
+            finally:
+                if not was_paused:
+                    self.resume()
+            layouts = [RankLayout.from_json(r.get("layout")) for r in results]
+            # Refuses (IncompatibleLayout, permanent) pieces that overlap or leave a
+            # tensor uncovered across the ranks (pipeline stages included).
+            plan = ReplicaPlan(layouts, specs)
             self._bound_specs = dict(specs)
-            self.dropped = frozenset(str(n) for n in dropped)
+            self.plan = plan
+            self.dropped = plan.dropped
+            self._rank_fps = None
             if self.dropped:
                 log.info(
                     "%d served tensors are not engine parameters (kept in the folder only): %s",
                     len(self.dropped),
                     sorted(self.dropped)[:5],
                 )
+        return self.plan
 
     def _served(self, fps: Mapping[str, int]) -> dict[str, int]:
         return {n: fp for n, fp in fps.items() if n not in self.dropped}
 
+    def _per_rank(self, plan: ReplicaPlan, fps: Sequence[Mapping[str, int]]) -> dict[str, dict[str, str]]:
+        """One value per rank, keyed as workers look themselves up (``RankLayout.key``)."""
+        return {layout.key: _fps_to_json(f) for layout, f in zip(plan.layouts, fps, strict=True)}
+
+    def _expected(self, plan: ReplicaPlan, fps: Mapping[str, int]) -> list[dict[str, int]]:
+        """Each rank's partials of the folder's bits, which must sum to ``fps`` (the
+        verified fingerprints of those bits): O(model), once per binding or load."""
+        bits = self.local.context_bits()
+        if bits is None:
+            raise InvalidInput("nothing is held yet: load a keyframe first")
+        expected = plan.expected(bits)
+        if plan.combine(expected) != self._served(fps):
+            raise VerificationFailed("the ranks' pieces of the folder do not sum to its fingerprints")
+        return expected
+
+    def _gather(self, plan: ReplicaPlan, results: Sequence[Mapping[str, Any]]) -> dict[str, int]:
+        """The tensors' fingerprints from the workers' partials (one owner per replica
+        set summed; the other members must equal it)."""
+        by_key = {layout.key: i for i, layout in enumerate(plan.layouts)}
+        partials: list[dict[str, int]] = [{} for _ in plan.layouts]
+        for result in results:
+            key = result.get("rank")
+            if key not in by_key:
+                raise EngineError(f"vLLM worker answered for rank {key!r}, not one of {sorted(by_key)}")
+            for i, layout in enumerate(plan.layouts):
+                if layout.key == key:
+                    partials[i] = _fps_from_json(result.get("fingerprints"))
+        return plan.combine(partials)
+
     def _fingerprints(self, specs: Mapping[str, TensorSpec], expect: Mapping[str, int] | None) -> dict[str, int]:
-        """The workers' fingerprints; every worker of every engine compares itself with
-        ``expect`` and a differing one answers with its own values (merged in)."""
-        self._bind(specs)
-        body: dict[str, Any] = {} if expect is None else {"expect": _fps_to_json(self._served(expect))}
+        """The workers' fingerprints; every worker of every engine compares its partials
+        with what ``expect`` makes of its pieces and a differing one answers with its own
+        values (its replica set counted through it)."""
+        plan = self._bind(specs)
+        ranks: list[dict[str, int]] | None = None
+        body: dict[str, Any] = {}
+        if expect is not None:
+            served = self._served(expect)
+            held = self._rank_fps if self._engine_fps == served else None
+            ranks = held if held is not None else self._expected(plan, served)
+            body["expect"] = self._per_rank(plan, ranks)
         try:
             results = self.call("fingerprints", body)
         except FingerprintMismatch as exc:
-            found = getattr(exc, "details", {}).get("fingerprints")
-            if expect is None or not isinstance(found, dict):
+            details = getattr(exc, "details", {})
+            found, key = details.get("fingerprints"), details.get("rank")
+            if expect is None or ranks is None or not isinstance(found, dict) or not isinstance(key, str):
                 raise
-            return {**self._served(expect), **_fps_from_json(found)}
-        fps = [_fps_from_json(r.get("fingerprints")) for r in results]
-        if any(f != fps[0] for f in fps[1:]):
-            raise EngineError("vLLM workers hold different weights")
-        return fps[0]
+            return {**self._served(expect), **plan.with_rank(ranks, key, _fps_from_json(found))}
+        return self._gather(plan, results)
 
     # -- WeightTarget ----------------------------------------------------------------------
 
@@ -474,29 +585,43 @@ class VLLMTarget(WeightTarget):
             )
             return None
         self._engine_fps = engine
+        plan = self.plan
+        self._rank_fps = self._expected(plan, restored.fingerprints) if plan is not None else None
         return restored
 
     def load_full(self, tensors: Mapping[str, Bits], specs: Mapping[str, TensorSpec]) -> None:
         self.local.load_full(tensors, specs)
-        self._engine_fps = None  # from here on the workers' bits are the load's, or a mix
-        self._bind(specs)
+        self._engine_fps = self._rank_fps = None  # from here on the workers' bits are the load's, or a mix
+        plan = self._bind(specs)
         expected = {n: fingerprint(tensors[n]) for n in specs if n not in self.dropped}
+        ranks = self._expected(plan, expected)
         self.pause()
-        # Every worker reads the keyframe back from its live parameters and must hold
-        # exactly these fingerprints before the version can be activated.
-        results = self.call("load", {"path": str(self.local.staged_path), "expect": _fps_to_json(expected)})
-        for i, result in enumerate(results):
-            if _fps_from_json(result.get("fingerprints")) != expected:
-                raise VerificationFailed(f"vLLM worker {i} did not load the keyframe bit for bit")
-        self._engine_fps = expected
+        # Every worker reads its pieces of the keyframe back from its live parameters and
+        # must hold exactly its partials; their sum must be the keyframe's fingerprints.
+        results = self.call("load", {"path": str(self.local.staged_path), "expect": self._per_rank(plan, ranks)})
+        if self._gather(plan, results) != expected:
+            raise VerificationFailed("vLLM's workers did not load the keyframe bit for bit")
+        self._engine_fps, self._rank_fps = expected, ranks
 
     def apply(self, patch: Patch, fingerprints: Mapping[str, int]) -> dict[str, int]:
         from patcher.encode import encode
 
-        new = self.local.apply(patch, fingerprints)
+        new = self.local.apply(patch, fingerprints)  # checks the base and the layout first
         stem = self.spool_dir / f"apply-{secrets.token_hex(8)}"
         try:
-            self._bind(patch.specs)
+            plan = self._bind(patch.specs)
+            bits = self.local.context_bits()
+            if bits is None:
+                raise VerificationFailed("the folder holds nothing after the apply")
+            before = self._rank_fps if self._engine_fps == self._served(fingerprints) else None
+            if before is None:  # not known (after a failure): from the folder, O(model)
+                before = plan.advance(plan.expected(bits), patch, bits, undo=True)
+            # Each rank's partials after the patch, from the folder's new bits (O(changed)):
+            # they must sum to the new fingerprints before any worker is asked to land on them.
+            after = plan.advance(before, patch, bits)
+            expected = self._served(new)
+            if plan.combine(after) != expected:
+                raise VerificationFailed("the ranks' partials after the patch do not sum to its fingerprints")
             served = Patch({n: td for n, td in patch.tensors.items() if n not in self.dropped})
             shards = encode(served, max_shard_bytes=SPOOL_SHARD_BYTES, codec="lz4")
             stem.mkdir()
@@ -505,18 +630,18 @@ class VLLMTarget(WeightTarget):
                 path = stem / f"{i:05d}.bpatch"
                 path.write_bytes(shard)
                 paths.append(str(path.resolve()))
-            expected = self._served(new)
             body = {
                 "shards": paths,
-                "fingerprints": _fps_to_json(self._served(fingerprints)),
-                "expect": _fps_to_json(expected),
+                "fingerprints": self._per_rank(plan, before),
+                "expect": self._per_rank(plan, after),
             }
             self.pause()
+            # Every worker (of every engine) refuses before writing unless it lands on its
+            # own partials; the first engine's are summed again here.
             results = self.call("apply", body)
-            for i, result in enumerate(results):
-                if _fps_from_json(result.get("fingerprints")) != expected:
-                    raise VerificationFailed(f"vLLM worker {i} landed on other bits than the local copy")
-            self._engine_fps = expected
+            if self._gather(plan, results) != expected:
+                raise VerificationFailed("vLLM's workers landed on other bits than the local copy")
+            self._engine_fps, self._rank_fps = expected, after
         except BaseException:
             self._abort_engine()
             self.local.abort()
@@ -530,7 +655,7 @@ class VLLMTarget(WeightTarget):
         # engine holds afterwards is checked by the caller (the sidecar verifies it).
         with contextlib.suppress(BulletinError):
             self.call("abort", {})
-        self._engine_fps = None
+        self._engine_fps = self._rank_fps = None
         with contextlib.suppress(BulletinError):
             self.resume()
 

@@ -4,8 +4,9 @@ Engines (``--engine``):
 
 - ``local``: keep the run's current version in ``--local-dir`` (plain safetensors) and
   gate requests to ``--upstream``, an engine that reads that folder on its own;
-- ``sglang``: as ``local``, and make the SGLang server at ``--upstream`` reload the
-  folder (``/update_weights_from_disk``) at each new version;
+- ``sglang``: as ``local``, and patch the SGLang server at ``--upstream`` in place on
+  every TP rank through Bulletin's weight loader (``/update_weights_from_tensor``), or
+  have it reload the folder (``/update_weights_from_disk``); ``--sglang-mode``;
 - ``vllm``: as ``local``, and patch the vLLM server at ``--upstream`` in place through
   its worker extension (``/collective_rpc``);
 - ``torch``: build the model of ``--model-config`` (an HF config) in this process,
@@ -114,6 +115,14 @@ def _configure_logging(json_logs: bool, level: str) -> None:
     help="Follow the run if it is rolled back or rewritten; without it such a run is refused and "
     "the version held keeps serving.",
 )
+@click.option(
+    "--sglang-mode",
+    type=click.Choice(["auto", "inplace", "disk"]),
+    default="auto",
+    show_default=True,
+    help="How versions reach SGLang: patched in place on every TP rank through Bulletin's weight loader "
+    "(inplace), reloaded from --local-dir (disk), or in place where the server runs the loader (auto).",
+)
 @click.option("--engine-timeout", type=click.FloatRange(min=1), default=600.0, show_default=True)
 @click.option("--wait-for-engine", type=click.FloatRange(min=0), default=300.0, show_default=True)
 @click.option("--model-config", type=click.Path(exists=True, path_type=Path), help="HF config (--engine torch).")
@@ -147,6 +156,7 @@ def serve(
     forward: tuple[str, ...],
     verify_interval: float,
     allow_reset: bool,
+    sglang_mode: str,
     engine_timeout: float,
     wait_for_engine: float,
     model_config: Path | None,
@@ -196,6 +206,7 @@ def serve(
         host=host,
         port=port,
         config=config,
+        sglang_mode=sglang_mode,
         engine_timeout=engine_timeout,
         wait_for_engine=wait_for_engine,
         allow_reset=allow_reset,

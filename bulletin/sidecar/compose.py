@@ -94,6 +94,9 @@ class SidecarSettings:
     """Port the sidecar listens on (0: any free port)."""
     config: SidecarConfig | None = None
     """The sidecar's tunables (waits, polling, drain); None: :class:`SidecarConfig`'s defaults."""
+    sglang_mode: str = "auto"
+    """How versions reach SGLang (``bulletin.engines.sglang.MODES``): ``inplace``,
+    ``disk``, or ``auto`` (in place where the server runs Bulletin's loader)."""
     engine_timeout: float = 600.0
     """Longest one engine call may take (SGLang's reload, a vLLM RPC), in seconds."""
     wait_for_engine: float = 300.0
@@ -121,6 +124,8 @@ class SidecarSettings:
             raise ConfigError(f"--engine {self.engine} needs --upstream and --local-dir")
         if not self.store:
             raise ConfigError("the sidecar needs at least one store")
+        if self.sglang_mode not in ("auto", "inplace", "disk"):
+            raise ConfigError(f"unknown SGLang mode {self.sglang_mode!r} (known: auto, inplace, disk)")
         for name in ("engine_timeout", "wait_for_engine", "lag_grace"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
@@ -202,14 +207,15 @@ def _local_engine(settings: SidecarSettings) -> BuiltEngine:
 
 
 def _sglang_engine(settings: SidecarSettings) -> BuiltEngine:
-    from bulletin.engines.sglang import SGLangTarget
+    from bulletin.engines.sglang import SGLangTarget, open_sglang
     from bulletin.target import LocalDirTarget
 
     local = LocalDirTarget(_local_dir(settings), run=settings.run)
     upstream = _upstream(settings)
     _wait_for_engine(upstream, settings.wait_for_engine)
-    target = SGLangTarget(local, upstream, timeout=settings.engine_timeout)
-    target.reconcile()
+    target = open_sglang(local, upstream, mode=settings.sglang_mode, timeout=settings.engine_timeout)
+    if isinstance(target, SGLangTarget):
+        target.reconcile()  # in place, the subscriber's restored() asks the ranks instead
     return BuiltEngine(target, upstream)
 
 

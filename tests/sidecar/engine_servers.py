@@ -16,11 +16,16 @@ as a long generation does.
 
 from __future__ import annotations
 
+import base64
 import hashlib
+import importlib
+import io
 import json
+import pickle
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -30,7 +35,7 @@ from urllib.parse import parse_qs, urlsplit
 import torch
 from safetensors.torch import load_file
 
-from bulletin.engines.vllm import BulletinWorkerExtension
+from bulletin.engines.vllm import BulletinWorkerExtension, WorkerState
 
 #: Tokens per cached block (vLLM's ``block_size`` / SGLang's page), small for tests.
 BLOCK = 4
@@ -191,10 +196,14 @@ class FakeVllmWorker:
         return self.model
 
 
-def extended_worker(model: torch.nn.Module) -> Any:
-    """A worker with the extension mixed in, as ``--worker-extension-cls`` does it."""
+def extended_worker(model: torch.nn.Module, *, pp_rank: int = 0) -> Any:
+    """A worker with the extension mixed in, as ``--worker-extension-cls`` does it;
+    ``pp_rank``: its pipeline stage (what ``get_pp_group()`` says inside vLLM)."""
     cls = type("Worker", (FakeVllmWorker, BulletinWorkerExtension), {})
-    return cls(model)
+    worker = cls(model)
+    if pp_rank:
+        worker._bulletin_worker_state = WorkerState(model, pp_rank=pp_rank)
+    return worker
 
 
 class VllmServer(_Server):
@@ -240,6 +249,10 @@ class VllmServer(_Server):
         self.weight_versions = ["default" for _ in self.engines]
         self.worker_delay = 0.0
         self.encoder_resets = 0
+        #: The worker methods ``/collective_rpc`` ran, in order.
+        self.rpc_methods: list[str] = []
+        #: The pause mode each RPC ran under (None: the engine was stepping), in call order.
+        self.rpc_paused: list[str | None] = []
         self._abort = threading.Event()
         self._turn = 0
         routes: dict[tuple[str, str], Route] = {
@@ -279,19 +292,28 @@ class VllmServer(_Server):
         if method is None:
             raise BadRequest(400, {"error": {"message": "Missing 'method' in request body", "code": 400}})
         args, kwargs, timeout = body.get("args", []), body.get("kwargs", {}), body.get("timeout")
-        per_engine = []
-        for workers in self.engines:  # every engine runs it; any engine's failure fails the call
-            results = []
-            for worker in workers:
-                if self.worker_delay and timeout is not None and self.worker_delay > timeout:
-                    time.sleep(timeout)
-                    return self._failed(TimeoutError(f"RPC call to {method} timed out."))
-                try:
-                    results.append(getattr(worker, method)(*args, **kwargs))
-                except Exception as exc:
-                    return self._failed(exc)
-            per_engine.append(results)
-        first = [r if r is None or isinstance(r, dict | list) else str(r) for r in per_engine[0]]
+        if self.worker_delay and timeout is not None and self.worker_delay > timeout:
+            time.sleep(timeout)
+            return self._failed(TimeoutError(f"RPC call to {method} timed out."))
+        self.rpc_methods.append(str(method))
+        self.rpc_paused.append(self.paused)
+        # Every worker of every engine runs it at once (the executor broadcasts, the
+        # client gathers the engines); then the answers are read engine by engine and,
+        # within one, rank by rank: the first failure found fails the call.
+        calls = [[(worker, method, args, kwargs) for worker in workers] for workers in self.engines]
+        with ThreadPoolExecutor(max_workers=sum(len(c) for c in calls) or 1) as pool:
+            futures = [[pool.submit(_call_worker, *c) for c in engine] for engine in calls]
+            answers = [[f.result() for f in engine] for engine in futures]
+        for engine in answers:
+            failed = [exc for ok, exc in engine if not ok]
+            if failed:
+                exc = failed[0]
+                if len(engine) > 1:  # a multiprocess executor's words (multiproc_executor.py)
+                    exc = RuntimeError(
+                        f"Worker failed with error '{exc}', please check the stack trace above for the root cause"
+                    )
+                return self._failed(exc)
+        first = [r if r is None or isinstance(r, dict | list) else str(r) for _, r in answers[0]]
         return 200, {"results": first}
 
     @staticmethod
@@ -369,6 +391,13 @@ class VllmServer(_Server):
         }
 
 
+def _call_worker(worker: Any, method: str, args: list[Any], kwargs: dict[str, Any]) -> tuple[bool, Any]:
+    try:
+        return True, getattr(worker, method)(*args, **kwargs)
+    except Exception as exc:
+        return False, exc
+
+
 # -- SGLang -------------------------------------------------------------------------------
 
 
@@ -386,10 +415,15 @@ class LoadFault:
     rollback: bool = True
     engines: set[int] | None = None
     times: int = 1
+    #: Stop after ``after`` tensors without an error: the rest keep their old bits, as
+    #: checkpoint names a model's ``load_weights`` does not map are skipped silently
+    #: (``models/llama.py``: ``if name not in params_dict: continue``).
+    silent: bool = False
 
 
 class SglangServer(_Server):
-    """SGLang 0.5.23's HTTP server over one or more data-parallel engines (torch modules).
+    """SGLang 0.5.23's HTTP server over one or more data-parallel engines (torch modules),
+    or one engine of several TP ranks (``ranks``).
 
     As in the source (``python/sglang/srt/``):
 
@@ -405,20 +439,53 @@ class SglangServer(_Server):
       running fails the call with the new weights in place; the weight version is
       recorded only on success. With several engines the call succeeds only if all do,
       messages joined by `` | ``. 200 or 400 ``{"success", "message", "num_paused_requests"}``.
+    - ``POST /update_weights_from_tensor`` (``entrypoints/http_server.py``,
+      ``managers/tokenizer_control_mixin.py``, ``managers/scheduler_components/
+      weight_updater.py``, ``managers/tp_worker.py``, ``model_executor/
+      model_runner_components/weight_updater.py``, ``utils/common.py``): with
+      data-parallel replicas an assertion fails (500); ``abort_all_requests`` ends running
+      requests; unless generation is paused the call waits for running requests (the
+      ``model_update_lock`` writer side); outside a ``/begin_weight_update`` ..
+      ``/end_weight_update`` session it answers 400 ("must run between ..."); each TP
+      rank unpickles only its own entry of ``serialized_named_tensors`` (base64) with
+      SGLang's restricted unpickler (torch tensors and builtin containers only), moves
+      each tensor to its device and calls ``dynamic_import(load_format)(model,
+      named_tensors)`` when ``load_format`` is listed in ``--custom-weight-loader``
+      (``custom_weight_loader``), ``model.load_weights`` when it is None; the loader's
+      return value is ignored, and **an exception anywhere in a rank (unpickling, an
+      unknown ``load_format``, the loader) kills the scheduler and so the server**:
+      that call and every later one answer 500 here. After the ranks: the session's
+      weights count as loaded, the scheduler records ``weight_version``, and with
+      ``flush_cache`` (default true) the radix cache is flushed, a flush refused while
+      requests run failing the call ("Weights were updated, but the cache was not
+      flushed ..."); the reported ``weight_version`` changes only on success. 200 or 400
+      ``{"success", "message"}``.
+    - ``POST /begin_weight_update`` / ``/end_weight_update``: 400 when a session is
+      already open / none is.
+    - ``GET /server_info``: the launch settings (``tp_size``, ``dp_size``, ``pp_size``,
+      ``custom_weight_loader``, ``version``).
     - ``GET|POST /flush_cache``: 200, or 400 while requests run.
     - ``GET /model_info`` (``weight_version``); ``legacy=True`` serves SGLang 0.5.3's
-      ``GET /get_weight_version`` instead.
+      ``GET /get_weight_version`` instead (and no ``/server_info``).
     - ``POST /weights_checker {"action": "checksum"}`` (``utils/weight_checker.py``): one
       ``ChecksumInfo`` per rank (sha256 of each tensor, ``per_gpu_checksum`` over them),
       ``per_engine_checksum`` over the ranks.
-    - ``POST /pause_generation`` / ``/continue_generation``, ``POST /update_weight_version``.
-    - ``POST /v1/completions``: computed from the live weights through the engine's radix
-      cache (engines in turn); while paused, requests wait for ``continue_generation``.
+    - ``POST /pause_generation {"mode"}`` (``managers/tokenizer_manager.py``,
+      ``io_struct.py`` ``PauseGenerationReqInput``): ``abort`` (the default) aborts every
+      running request and returns once none runs; ``in_place`` and ``retract`` only stop
+      them; until ``/continue_generation`` new requests wait (``is_pause_cond``).
+      ``POST /update_weight_version``.
+    - ``POST /v1/completions``: computed from the live weights (TP rank 0's) through the
+      engine's radix cache (engines in turn); while paused, requests wait.
 
-    Deviations: no tokenizer or sampling (as for vLLM above); the load is by
-    state-dict name rather than through the model's ``load_weights`` (fused layouts are
-    vLLM's concern here); one weight version for the scheduler and the tokenizer
-    manager (SGLang keeps both; the one reported is the latter, set on success only).
+    Deviations: no tokenizer or sampling (as for vLLM above); the disk load is by
+    state-dict name rather than through the model's ``load_weights``, except for TP ranks
+    whose models have one (tests/sidecar/sglang_model.py: each rank loads the folder
+    through SGLang's ``load_weights`` and weight loaders); one weight version for the scheduler and the tokenizer
+    manager (SGLang keeps both; the one reported is the latter, set on success only);
+    TP ranks run one after another in the server's thread (SGLang runs one scheduler
+    process per rank; the loader code is the same); a dead scheduler answers 500 here
+    instead of taking the process down.
     """
 
     def __init__(
@@ -426,10 +493,21 @@ class SglangServer(_Server):
         model: torch.nn.Module | None = None,
         *,
         engines: list[torch.nn.Module] | None = None,
+        ranks: list[torch.nn.Module] | None = None,
+        custom_weight_loader: list[str] | None = None,
         refuse: bool = False,
         legacy: bool = False,
     ) -> None:
+        if ranks is not None:
+            engines = [ranks[0]]
         self.engines: list[torch.nn.Module] = engines if engines is not None else [model or torch.nn.Module()]
+        #: TP ranks of the (one) engine; None: each engine is one rank.
+        self.ranks = ranks
+        self.custom_weight_loader = list(custom_weight_loader or [])
+        #: An open weight-update session: ``{"loaded_weights": bool}``.
+        self.session: dict[str, bool] | None = None
+        #: Why the scheduler died (an exception in a rank); every call then fails.
+        self.dead: str | None = None
         self.caches = [PrefixCache() for _ in self.engines]
         self.weight_version: str | None = "default"
         self.model_path: str | None = None
@@ -447,9 +525,14 @@ class SglangServer(_Server):
             ("POST", "/update_weight_version"): self._update_weight_version,
             ("POST", "/pause_generation"): self._pause,
             ("POST", "/continue_generation"): self._continue,
+            ("POST", "/update_weights_from_tensor"): self._update_from_tensor,
+            ("POST", "/begin_weight_update"): self._begin,
+            ("POST", "/end_weight_update"): self._end,
             ("POST", "/v1/completions"): self._completions,
             ("GET", "/health"): lambda _: (200, None),
         }
+        if not legacy:
+            routes[("GET", "/server_info")] = self._server_info
         if legacy:
             routes[("GET", "/get_weight_version")] = lambda _: (200, {"weight_version": self.weight_version})
         else:
@@ -457,7 +540,7 @@ class SglangServer(_Server):
                 200,
                 {"model_path": self.model_path, "weight_version": self.weight_version},
             )
-        super().__init__(routes)
+        super().__init__({key: self._alive(route) for key, route in routes.items()})
 
     @property
     def model(self) -> torch.nn.Module:
@@ -466,16 +549,117 @@ class SglangServer(_Server):
     @model.setter
     def model(self, value: torch.nn.Module) -> None:
         self.engines = [value]
+        self.ranks = None
         self.caches = [PrefixCache()]
+
+    def _alive(self, route: Route) -> Route:
+        def serve(call: Call) -> tuple[int, Any]:
+            if self.dead is not None:
+                return 500, {"detail": f"Internal Server Error: the scheduler died: {self.dead}"}
+            return route(call)
+
+        return serve
+
+    def _tp_ranks(self) -> list[torch.nn.Module]:
+        return self.ranks if self.ranks is not None else [self.engines[0]]
+
+    def _server_info(self, call: Call) -> tuple[int, Any]:
+        return 200, {
+            "tp_size": len(self._tp_ranks()),
+            "dp_size": len(self.engines),
+            "pp_size": 1,
+            "custom_weight_loader": self.custom_weight_loader,
+            "version": "0.5.23",
+        }
+
+    def _begin(self, call: Call) -> tuple[int, Any]:
+        if self.session is not None:
+            return 400, {
+                "success": False,
+                "message": "a weight-update session is already open; call end_weight_update() first",
+            }
+        self.session = {"loaded_weights": False}
+        return 200, {"success": True, "message": "Success"}
+
+    def _end(self, call: Call) -> tuple[int, Any]:
+        if self.session is None:
+            return 400, {
+                "success": False,
+                "message": "no weight-update session is open; call begin_weight_update() first",
+            }
+        self.session = None
+        return 200, {"success": True, "message": "Success"}
+
+    def _abort_running(self) -> None:
+        self._abort.set()
+        while self.running:
+            time.sleep(0.005)
+        self._abort.clear()
+
+    def _update_from_tensor(self, call: Call) -> tuple[int, Any]:
+        body = self._json_object(call)
+        if len(self.engines) != 1:  # tokenizer_control_mixin.py asserts dp_size == 1
+            return 500, {"detail": "Internal Server Error"}
+        payloads = body.get("serialized_named_tensors")
+        if not isinstance(payloads, list) or not all(isinstance(p, str) for p in payloads):
+            raise BadRequest(422, {"detail": "serialized_named_tensors: a list of base64 strings is required"})
+        if body.get("abort_all_requests"):
+            self._abort_running()
+        while not self.paused and self.running:  # the model_update_lock's writer side
+            time.sleep(0.005)
+        if self.session is None:
+            return 400, {
+                "success": False,
+                "message": "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()",
+            }
+        load_format = body.get("load_format")
+        for rank, model in enumerate(self._tp_ranks()):
+            try:
+                named = _SafeUnpickler(io.BytesIO(base64.b64decode(payloads[rank], validate=True))).load()
+                named = [(name, tensor.to("cpu")) for name, tensor in named]
+                if load_format in self.custom_weight_loader:
+                    module, _, func = str(load_format).rpartition(".")
+                    getattr(importlib.import_module(module), func)(model, named)  # return value ignored
+                elif load_format is None:
+                    model.load_weights(named)
+                else:
+                    raise NotImplementedError(f"Unknown load_format={load_format}")
+            except Exception as exc:  # uncaught in SGLang: the scheduler process dies
+                self.dead = f"TP rank {rank}: {exc!r}"
+                return 500, {"detail": "Internal Server Error"}
+        self.session["loaded_weights"] = True
+        success, message = True, "Success"
+        if body.get("flush_cache", True):
+            if self.running:
+                success = False
+                message = (
+                    "Weights were updated, but the cache was not flushed because requests are still running "
+                    "or queued. Retract or finish them, then call /flush_cache."
+                )
+            else:
+                for cache in self.caches:
+                    cache.clear()
+        if success and body.get("weight_version") is not None:
+            self.weight_version = str(body["weight_version"])
+            message += f" Weight version updated to {body['weight_version']}."
+        return (200 if success else 400), {"success": success, "message": message}
 
     def _load(self, engine: int, folder: Path, fault: LoadFault | None) -> None:
         tensors: dict[str, torch.Tensor] = {}
         for file in sorted(folder.glob("*.safetensors")):
             tensors.update(load_file(str(file)))
+        if self.ranks is not None and all(hasattr(m, "load_weights") for m in self.ranks):
+            # Every TP rank loads the folder through its model's own load_weights
+            # (model_loader/loader.py: DefaultModelLoader.load_weights_and_postprocess).
+            for model in self.ranks:
+                model.load_weights(_faulty(sorted(tensors.items()), fault))
+            return
         params = self.engines[engine].state_dict()
         with torch.no_grad():
             for k, (name, value) in enumerate(sorted(tensors.items())):
-                if fault is not None and k == fault.after:
+                if fault is not None and k >= fault.after:
+                    if fault.silent:
+                        continue
                     raise RuntimeError(f"CUDA out of memory while loading {name}")
                 params[name].copy_(value)
 
@@ -490,10 +674,7 @@ class SglangServer(_Server):
                 "num_paused_requests": 0,
             }
         if body.get("abort_all_requests"):
-            self._abort.set()
-            while self.running:
-                time.sleep(0.005)
-            self._abort.clear()
+            self._abort_running()
         fault = self.fault
         if fault is not None:
             fault.times -= 1
@@ -544,7 +725,13 @@ class SglangServer(_Server):
         if body.get("action", "checksum") != "checksum":
             return 400, {"success": False, "message": f"Unsupported action={body.get('action')}"}
         ranks = []
-        for i, model in enumerate(self.engines):
+        placed = (
+            [(i, 0, m) for i, m in enumerate(self.engines)]
+            if self.ranks is None
+            else list((0, r, m) for r, m in enumerate(self.ranks))
+        )
+        tp = 1 if self.ranks is None else len(self.ranks)
+        for i, r, model in placed:
             sums = {
                 n: hashlib.sha256(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
                 for n, t in model.state_dict().items()
@@ -556,14 +743,14 @@ class SglangServer(_Server):
                 overall.update(sums[name].encode())
             info = {
                 "role": "target",
-                "tp_rank": 0,
-                "tp_size": 1,
+                "tp_rank": r,
+                "tp_size": tp,
                 "dp_rank": i,
                 "dp_size": len(self.engines),
                 "pp_rank": 0,
                 "pp_size": 1,
-                "rank": i,
-                "size": len(self.engines),
+                "rank": i * tp + r,
+                "size": len(self.engines) * tp,
             }
             ranks.append({"checksums": sums, "per_gpu_checksum": overall.hexdigest(), "parallelism_info": info})
         engine = hashlib.sha256()
@@ -581,7 +768,13 @@ class SglangServer(_Server):
         }
 
     def _pause(self, call: Call) -> tuple[int, Any]:
+        body = self._json_object(call) if call.raw else {}
+        mode = body.get("mode", "abort")
+        if mode not in ("abort", "retract", "in_place"):
+            raise BadRequest(422, {"detail": f"mode: unexpected value {mode!r}"})
         self.paused = True
+        if mode == "abort":
+            self._abort_running()
         return 200, {"message": "Generation paused successfully.", "status": "ok"}
 
     def _continue(self, call: Call) -> tuple[int, Any]:
@@ -604,3 +797,41 @@ class SglangServer(_Server):
             ],
             "weight_version": self.weight_version,
         }
+
+
+def _faulty(items: list[tuple[str, torch.Tensor]], fault: LoadFault | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """``items`` as a load sees them under ``fault``: cut off (silently or raising)."""
+    for k, (name, value) in enumerate(items):
+        if fault is not None and k >= fault.after:
+            if fault.silent:
+                return
+            raise RuntimeError(f"CUDA out of memory while loading {name}")
+        yield name, value
+
+
+class _SafeUnpickler(pickle.Unpickler):
+    """SGLang's restricted unpickler for ``serialized_named_tensors`` (``utils/common.py``:
+    ``SafeUnpickler``), reduced to the globals a CPU tensor pickled by value needs; any
+    other global is refused as there ("Blocked unsafe global"), and torch's storage
+    helper is replaced by a ``weights_only`` load."""
+
+    ALLOWED = frozenset(
+        {
+            ("builtins", "list"),
+            ("builtins", "tuple"),
+            ("builtins", "dict"),
+            ("collections", "OrderedDict"),
+            ("torch._utils", "_rebuild_tensor"),
+            ("torch._utils", "_rebuild_tensor_v2"),
+            ("torch._tensor", "_rebuild_from_type_v2"),
+            ("torch", "Tensor"),
+            ("torch", "Size"),
+        }
+    )
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("torch.storage", "_load_from_bytes"):
+            return lambda data: torch.load(io.BytesIO(data), weights_only=True)
+        if (module, name) in self.ALLOWED:
+            return super().find_class(module, name)
+        raise RuntimeError(f"Blocked unsafe global ({module}.{name}) during pickle deserialization")

@@ -12,7 +12,8 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from bulletin.engines.vllm import VLLMTarget, WorkerState
+from bulletin.engines.rank_layout import RankLayout, ReplicaPlan
+from bulletin.engines.vllm import VLLMTarget, WorkerState, _specs_from_json
 from bulletin.errors import EngineError, IncompatibleTensors, InvalidInput, VerificationFailed, WrongBase
 from bulletin.publisher import Publisher
 from bulletin.snapshot import snapshot
@@ -169,9 +170,13 @@ def test_worker_errors_come_back_as_codes_not_exceptions(trainer: LlamaForCausal
         "code": "invalid_input",
         "message": "the worker has not been bound to a layout yet",
     }
+    # A tensor the rank cannot place is absent (another pipeline stage may hold it); the
+    # sidecar's plan over every rank refuses one that no rank holds.
     bad = [{"name": "model.layers.0.self_attn.q_proj.weight", "dtype": "BF16", "shape": [33, 32]}]
     out = state.handle("bind", json.dumps({"specs": bad}))
-    assert out["ok"] is False and out["code"] == IncompatibleTensors.code
+    assert out["ok"] is True and out["layout"]["absent"] == [bad[0]["name"]]
+    with pytest.raises(IncompatibleTensors, match="held by no rank"):
+        ReplicaPlan([RankLayout.from_json(out["layout"])], _specs_from_json(bad))
     assert state.handle("nonsense", json.dumps({"specs": []}))["code"] == "invalid_input"
 
 
@@ -194,6 +199,9 @@ def test_sidecar_target_follows_a_run_through_collective_rpc(
     assert not any(target.spool_dir.iterdir())  # spooled patches are cleaned up
     methods = [json.loads(json.dumps(c)) for c in server.calls]
     assert ["POST", "/collective_rpc"] in methods
+    # Binding may probe parameters (the sparse fallback): the engine never steps meanwhile.
+    binds = [p for m, p in zip(server.rpc_methods, server.rpc_paused, strict=True) if m == "bulletin_bind"]
+    assert binds and all(p is not None for p in binds) and server.paused is None
     # A restarted sidecar recognises that the engine already holds the folder's version.
     sub.close()  # the folder has one writer at a time
     again = VLLMTarget(LocalDirTarget(tmp_path / "local", run="r"), server.url)
