@@ -1,6 +1,7 @@
 """Bulletin: RL policy weights as lossless bit-level patches through an S3-compatible bucket.
 
-Trainer side: :class:`Publisher`. Rollout side: :class:`Subscriber`. Both are imported
+Trainer side: :class:`Publisher` (one process) or :class:`ShardedPublisher` (every rank
+of a sharded trainer). Rollout side: :class:`Subscriber`. Both are imported
 lazily so that ``import bulletin.errors`` (the exception tree, whose root and codec
 kinds live in ``patcher.errors``) stays cheap.
 """
@@ -10,9 +11,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["Publisher", "Subscriber", "__version__"]
+__all__ = ["Publisher", "ShardedPublisher", "Subscriber", "__version__"]
 
 if TYPE_CHECKING:
+    from bulletin.distributed import ShardedPublisher
     from bulletin.publisher import Publisher
     from bulletin.subscriber import Subscriber
 
@@ -22,6 +24,10 @@ def __getattr__(name: str) -> Any:
         from bulletin.publisher import Publisher
 
         return Publisher
+    if name == "ShardedPublisher":  # every rank of a torch.distributed job (docs/SHARDED.md)
+        from bulletin.distributed import ShardedPublisher
+
+        return ShardedPublisher
     if name == "Subscriber":
         from bulletin.subscriber import Subscriber
 

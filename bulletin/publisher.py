@@ -96,7 +96,7 @@ from schemas.manifest import (
     manifest_files,
 )
 
-__all__ = ["FilesArg", "PublishResult", "Publisher"]
+__all__ = ["FilesArg", "PublishResult", "Publisher", "build_manifest", "publish_result"]
 
 #: What ``files=`` takes: checked files, a mapping of relative path -> bytes, a checkpoint
 #: folder (its files by the default rule of :func:`~bulletin.model_files.select_model_files`),
@@ -147,9 +147,64 @@ class _Files:
     notes: tuple[str, ...] = ()
 
 
-def _result(
+def build_manifest(
+    run: str,
+    writer: str,
+    version: int,
+    parent: StoredManifest | None,
+    specs: Mapping[str, TensorSpec],
+    fps: Mapping[str, int],
+    patch_ref: PatchRef | None,
+    keyframe_ref: KeyframeRef | None,
+    file_refs: tuple[FileRef, ...],
+    metadata: dict[str, str],
+) -> ManifestV1:
+    """The manifest of ``version`` (tensors ``specs`` with fingerprints ``fps``), chained to
+    ``parent``; every publisher writes its manifests so (the sharded one too)."""
+    # Write the oldest spec_version that says it all: 3 for files, 2 for a context-coded
+    # patch, else 1, so that readers that predate them keep reading the rest.
+    extra: dict[str, Any] = {}
+    manifest_type: type[ManifestV1] = ManifestV1
+    if file_refs:
+        manifest_type, extra = ManifestV3, {"files": file_refs}
+        if patch_ref is not None and not isinstance(patch_ref, PatchRefV2):
+            patch_ref = PatchRefV2(
+                codec=patch_ref.codec,
+                shards=patch_ref.shards,
+                changed_elements=patch_ref.changed_elements,
+                context=None,
+            )
+    elif isinstance(patch_ref, PatchRefV2):
+        manifest_type = ManifestV2
+    ordered = [specs[n] for n in sorted(specs)]
+    return manifest_type(
+        run=run,
+        version=version,
+        parent_version=parent.version if parent else None,
+        parent_digest=parent.digest if parent else None,
+        created_at=datetime.now(UTC),
+        writer=writer,
+        tensors=tuple(
+            TensorEntry(name=s.name, dtype=s.dtype, shape=s.shape, fingerprint=format_fingerprint(fps[s.name]))  # type: ignore[arg-type]
+            for s in ordered
+        ),
+        patch=patch_ref,
+        keyframe=keyframe_ref,
+        stats=VersionStats(
+            total_elements=sum(s.numel for s in ordered),
+            total_bytes=sum(s.nbytes for s in ordered),
+            patch_bytes=sum(r.size for r in patch_ref.shards) if patch_ref else 0,
+            keyframe_bytes=sum(r.size for r in keyframe_ref.files) if keyframe_ref else 0,
+        ),
+        metadata=metadata,
+        **extra,
+    )
+
+
+def publish_result(
     manifest: ManifestV1, stored: StoredManifest, *, files_uploaded: int = 0, notes: tuple[str, ...] = ()
 ) -> PublishResult:
+    """What a publish of ``manifest``, committed as ``stored``, wrote."""
     stats = manifest.stats
     return PublishResult(
         version=manifest.version,
@@ -477,7 +532,7 @@ class Publisher:
             self._pending = None
             self._base.advance(stored, patch=pending.patch, staged=pending.staged)
             self.results.append(
-                _result(pending.manifest, stored, files_uploaded=pending.files_uploaded, notes=pending.notes)
+                publish_result(pending.manifest, stored, files_uploaded=pending.files_uploaded, notes=pending.notes)
             )
         committed = self._base.stored
         tip = self._run.tip()
@@ -557,7 +612,7 @@ class Publisher:
                 staged.discard()
             raise
         base.advance(stored, patch=patch, staged=staged)
-        result = _result(manifest, stored, files_uploaded=files_uploaded, notes=files.notes)
+        result = publish_result(manifest, stored, files_uploaded=files_uploaded, notes=files.notes)
         self.results.append(result)
         return result
 
@@ -600,42 +655,8 @@ class Publisher:
         file_refs: tuple[FileRef, ...],
         metadata: dict[str, str],
     ) -> ManifestV1:
-        # Write the oldest spec_version that says it all: 3 for files, 2 for a context-coded
-        # patch, else 1, so that readers that predate them keep reading the rest.
-        extra: dict[str, Any] = {}
-        manifest_type: type[ManifestV1] = ManifestV1
-        if file_refs:
-            manifest_type, extra = ManifestV3, {"files": file_refs}
-            if patch_ref is not None and not isinstance(patch_ref, PatchRefV2):
-                patch_ref = PatchRefV2(
-                    codec=patch_ref.codec,
-                    shards=patch_ref.shards,
-                    changed_elements=patch_ref.changed_elements,
-                    context=None,
-                )
-        elif isinstance(patch_ref, PatchRefV2):
-            manifest_type = ManifestV2
-        return manifest_type(
-            run=self.run,
-            version=version,
-            parent_version=parent.version if parent else None,
-            parent_digest=parent.digest if parent else None,
-            created_at=datetime.now(UTC),
-            writer=self.writer,
-            tensors=tuple(
-                TensorEntry(name=s.name, dtype=s.dtype, shape=s.shape, fingerprint=format_fingerprint(fps[s.name]))  # type: ignore[arg-type]
-                for s in (snap.specs[n] for n in sorted(snap.specs))
-            ),
-            patch=patch_ref,
-            keyframe=keyframe_ref,
-            stats=VersionStats(
-                total_elements=sum(s.numel for s in snap.specs.values()),
-                total_bytes=sum(s.nbytes for s in snap.specs.values()),
-                patch_bytes=sum(r.size for r in patch_ref.shards) if patch_ref else 0,
-                keyframe_bytes=sum(r.size for r in keyframe_ref.files) if keyframe_ref else 0,
-            ),
-            metadata=metadata,
-            **extra,
+        return build_manifest(
+            self.run, self.writer, version, parent, snap.specs, fps, patch_ref, keyframe_ref, file_refs, metadata
         )
 
     def _upload_files(self, version: int, files: ModelFiles | None) -> tuple[tuple[FileRef, ...], int]:

@@ -1,0 +1,182 @@
+"""Which rank holds which block of which tensor, and the index arithmetic of a block.
+
+A rank's piece of a tensor is a **block**: the global shape, the block's offset along
+every dimension, and the block's own shape (a DTensor's ``Shard(d)`` is one, Megatron's
+column and row splits too, a whole tensor is the block at offset 0). Blocks of one
+tensor from all ranks, duplicates removed (a replicated tensor, or a sub-mesh's
+replicas), MUST tile it exactly; :func:`plan_layout` checks that from every rank's
+description (O(manifest) gathered), picks one **owner** per distinct block (the rank
+that diffs it and keeps its base) and one **writer** per tensor (the rank that encodes
+the tensor's patch entries from every owner's changes, sent to it as global indices and
+deltas). Everything here is pure: no collective, no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from math import prod
+
+import numpy as np
+from numpy.typing import NDArray
+
+from bulletin.errors import IncompatibleLayout
+from patcher.fingerprint import fingerprint_rows
+from patcher.patch import TensorSpec
+
+__all__ = ["Block", "Layout", "RankLayout", "global_indices", "local_indices", "part_fingerprint", "plan_layout"]
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    """A block of a tensor of ``shape`` (global): ``offsets`` and ``sizes`` per dimension."""
+
+    shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not (len(self.shape) == len(self.offsets) == len(self.sizes)):
+            raise IncompatibleLayout(f"a block of shape {list(self.shape)} needs one offset and size per dimension")
+        for dim, (n, o, s) in enumerate(zip(self.shape, self.offsets, self.sizes, strict=True)):
+            if o < 0 or s < 0 or o + s > n:
+                raise IncompatibleLayout(f"block [{o}, {o + s}) leaves dimension {dim} of size {n}")
+
+    @classmethod
+    def whole(cls, shape: tuple[int, ...]) -> Block:
+        return cls(shape, (0,) * len(shape), shape)
+
+    @property
+    def numel(self) -> int:
+        return prod(self.sizes)
+
+    @property
+    def is_whole(self) -> bool:
+        return self.sizes == self.shape
+
+    def overlaps(self, other: Block) -> bool:
+        return all(
+            a < b + m and b < a + n
+            for a, n, b, m in zip(self.offsets, self.sizes, other.offsets, other.sizes, strict=True)
+        ) and bool(self.numel and other.numel)
+
+
+def global_indices(block: Block, local: NDArray[np.int64]) -> NDArray[np.int64]:
+    """Flat indices in the whole tensor of the block's flat (C order) ``local`` indices."""
+    if block.is_whole or not block.shape:
+        return local
+    coords = np.unravel_index(local, block.sizes)
+    shifted = tuple(c + o for c, o in zip(coords, block.offsets, strict=True))
+    return np.ravel_multi_index(shifted, block.shape).astype(np.int64, copy=False)
+
+
+def local_indices(block: Block, flat: NDArray[np.int64]) -> tuple[NDArray[np.bool_], NDArray[np.int64]]:
+    """Which of the whole tensor's flat indices ``flat`` fall in the block, and their flat
+    indices within it (for those that do)."""
+    if block.is_whole or not block.shape:
+        return np.ones(flat.size, dtype=np.bool_), flat
+    coords = np.unravel_index(flat, block.shape)
+    inside = np.ones(flat.size, dtype=np.bool_)
+    for c, o, s in zip(coords, block.offsets, block.sizes, strict=True):
+        inside &= (c >= o) & (c < o + s)
+    moved = tuple((c[inside] - o) for c, o in zip(coords, block.offsets, strict=True))
+    return inside, np.ravel_multi_index(moved, block.sizes).astype(np.int64, copy=False)
+
+
+def part_fingerprint(block: Block, bits: NDArray[np.unsignedinteger]) -> int:
+    """The part of the whole tensor's fingerprint that the block's ``bits`` contribute
+    (fingerprints are sums over elements of a hash of the global index and the bits)."""
+    if block.numel == 0:
+        return 0
+    flat = np.ascontiguousarray(bits).reshape(-1)
+    cut_dims = [d for d in range(len(block.shape)) if block.sizes[d] != block.shape[d]]
+    if not cut_dims:
+        return fingerprint_rows(flat, 0, flat.size)
+    cut = cut_dims[-1]  # the innermost dimension cut: below it a block row is one contiguous run
+    strides = [prod(block.shape[d + 1 :]) for d in range(len(block.shape))]
+    start = block.offsets[cut] * strides[cut]
+    run = block.sizes[cut] * strides[cut]
+    if cut == 0:
+        return fingerprint_rows(flat, start, run)
+    outer = block.sizes[: cut - 1]
+    slabs = flat.reshape(prod(outer), block.sizes[cut - 1], run)
+    total = 0
+    for k in range(slabs.shape[0]):
+        coord = np.unravel_index(k, outer) if outer else ()
+        first = start + sum((int(c) + o) * s for c, o, s in zip(coord, block.offsets, strides, strict=False))
+        first += block.offsets[cut - 1] * strides[cut - 1]
+        total += fingerprint_rows(slabs[k], first, strides[cut - 1])
+    return total & 0xFFFFFFFFFFFFFFFF
+
+
+@dataclass(frozen=True, slots=True)
+class RankLayout:
+    """What one rank holds: served spec (global shape) and block of every tensor."""
+
+    rank: int
+    specs: dict[str, TensorSpec]
+    blocks: dict[str, Block]
+    aliases: dict[str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """The job's layout: the version's tensors, the owner of every distinct block, and
+    each tensor's writer."""
+
+    specs: dict[str, TensorSpec]
+    owners: dict[str, list[tuple[int, Block]]]  # name -> (owner rank, block), by offsets
+    writers: dict[str, int]
+    aliases: dict[str, str]
+
+    def owned(self, rank: int) -> dict[str, Block]:
+        """The blocks ``rank`` owns (diffs, keeps, sends to the tensor's writer)."""
+        return {name: block for name, parts in self.owners.items() for owner, block in parts if owner == rank}
+
+    def written(self, rank: int) -> list[str]:
+        return sorted(name for name, writer in self.writers.items() if writer == rank)
+
+
+def plan_layout(ranks: Sequence[RankLayout]) -> Layout:
+    """The job's layout from every rank's (in rank order); ``IncompatibleLayout`` when
+    ranks disagree on a tensor's dtype or shape, or its blocks overlap or leave a gap."""
+    specs: dict[str, TensorSpec] = {}
+    holders: dict[str, dict[Block, list[int]]] = {}
+    aliases: dict[str, str] = {}
+    for held in ranks:
+        for name, spec in held.specs.items():
+            known = specs.setdefault(name, spec)
+            if known != spec:
+                raise IncompatibleLayout(
+                    f"{name}: rank {held.rank} holds it as {spec.dtype} {list(spec.shape)}, "
+                    f"another rank as {known.dtype} {list(known.shape)}"
+                )
+            holders.setdefault(name, {}).setdefault(held.blocks[name], []).append(held.rank)
+        for dropped, served in held.aliases.items():
+            if aliases.setdefault(dropped, served) != served:
+                raise IncompatibleLayout(f"{dropped}: ranks tie it to different tensors")
+    for dropped, served in aliases.items():
+        if dropped in specs:
+            raise IncompatibleLayout(f"{dropped}: tied to {served} on one rank, served on another")
+    owners: dict[str, list[tuple[int, Block]]] = {}
+    load = [0] * max(1, len(ranks))
+    writers: dict[str, int] = {}
+    for index, name in enumerate(sorted(specs)):
+        blocks = sorted(holders[name].items(), key=lambda item: item[0].offsets)
+        for i, (a, _) in enumerate(blocks):
+            for b, _ in blocks[i + 1 :]:
+                if a.overlaps(b):
+                    raise IncompatibleLayout(
+                        f"{name}: blocks at {list(a.offsets)} and {list(b.offsets)} overlap on different ranks"
+                    )
+        covered = sum(block.numel for block, _ in blocks)
+        if covered != specs[name].numel:
+            raise IncompatibleLayout(f"{name}: its blocks hold {covered} of {specs[name].numel} elements")
+        # A block several ranks hold (replicas) is owned by one of them, spread by name.
+        owners[name] = [(ranks_of[index % len(ranks_of)], block) for block, ranks_of in blocks]
+        # The writer: the least loaded owner (by elements written), so encoding spreads.
+        candidates = sorted({rank for rank, _ in owners[name]})
+        writer = min(candidates, key=lambda r: (load[r], r))
+        load[writer] += specs[name].numel
+        writers[name] = writer
+    return Layout(specs, owners, writers, aliases)

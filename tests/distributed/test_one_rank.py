@@ -1,0 +1,165 @@
+"""The sharded publisher's pieces in one process: block arithmetic, the layout plan,
+renumbered shards, and the one-rank case (no ``torch.distributed`` group) against the
+plain ``Publisher`` and through a commit whose outcome was lost."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bulletin import Publisher, Subscriber
+from bulletin.distributed import LocalShard, ShardedPublisher
+from bulletin.distributed.parts import Block, RankLayout, global_indices, local_indices, part_fingerprint, plan_layout
+from bulletin.distributed.shards import renumber
+from bulletin.errors import IncompatibleLayout, InvalidInput, StorageUnavailable
+from bulletin.run import Run
+from bulletin.storage import open_store
+from patcher.decode import decode
+from patcher.diff import diff
+from patcher.encode import encode
+from patcher.fingerprint import fingerprint
+from patcher.format import TensorInfo, compute_patch_id
+from patcher.patch import Patch, TensorSpec
+from tests.run.helpers import ToyTrainer, assert_bits_equal
+from tests.run.test_ambiguous_commit import LostCommitResponse
+
+pytest.importorskip("torch.distributed")
+
+
+@pytest.mark.parametrize("shape", [(7,), (6, 5), (4, 3, 5), (2, 3, 4, 5)])
+def test_blocks_of_every_dimension_add_up_to_the_tensor(shape: tuple[int, ...]) -> None:
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 2**16, size=shape, dtype=np.uint16)
+    for dim in range(len(shape)):
+        cuts = [0, shape[dim] // 3, shape[dim]]
+        total = 0
+        for lo, hi in itertools.pairwise(cuts):
+            offsets = tuple(lo if d == dim else 0 for d in range(len(shape)))
+            sizes = tuple(hi - lo if d == dim else n for d, n in enumerate(shape))
+            block = Block(shape, offsets, sizes)
+            part = np.ascontiguousarray(x[tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))])
+            total += part_fingerprint(block, part)
+            g = global_indices(block, np.arange(part.size, dtype=np.int64))
+            assert (x.reshape(-1)[g] == part.reshape(-1)).all()
+            inside, local = local_indices(block, np.arange(x.size, dtype=np.int64))
+            assert int(inside.sum()) == part.size
+            assert (part.reshape(-1)[local] == x.reshape(-1)[inside]).all()
+        assert total % 2**64 == fingerprint(x), dim
+
+
+def _rank(rank: int, blocks: dict[str, Block], dtype: str = "BF16") -> RankLayout:
+    return RankLayout(rank, {n: TensorSpec(n, dtype, b.shape) for n, b in blocks.items()}, blocks, {})
+
+
+def test_the_plan_owns_each_block_once_and_spreads_the_writers() -> None:
+    rows = [_rank(r, {"a": Block((8, 4), (4 * r, 0), (4, 4)), "r": Block.whole((3,))}) for r in range(2)]
+    layout = plan_layout(rows)
+    assert [owner for owner, _ in layout.owners["a"]] == [0, 1]
+    assert len(layout.owners["r"]) == 1  # a replica is owned (and published) once
+    assert sorted(layout.writers.values()) == [0, 1]  # two tensors, two writers
+
+
+@pytest.mark.parametrize(
+    ("blocks", "message"),
+    [
+        ([Block((8,), (0,), (5,)), Block((8,), (4,), (4,))], "overlap"),
+        ([Block((8,), (0,), (3,)), Block((8,), (4,), (4,))], "7 of 8"),
+    ],
+)
+def test_blocks_that_overlap_or_leave_a_gap_are_refused(blocks: list[Block], message: str) -> None:
+    with pytest.raises(IncompatibleLayout, match=message):
+        plan_layout([_rank(r, {"a": b}) for r, b in enumerate(blocks)])
+
+
+def test_ranks_that_disagree_on_a_tensor_are_refused() -> None:
+    with pytest.raises(IncompatibleLayout, match="F16"):
+        plan_layout([_rank(0, {"a": Block.whole((4,))}), _rank(1, {"a": Block.whole((4,))}, "F16")])
+    with pytest.raises(IncompatibleLayout, match="leaves dimension"):
+        Block((4,), (2,), (3,))
+
+
+def test_writers_shards_renumbered_are_one_patch() -> None:
+    rng = np.random.default_rng(1)
+    specs = {n: TensorSpec(n, "BF16", (64, 32)) for n in ("a", "b", "c")}
+    old = {n: rng.integers(0, 2**16, size=(64, 32), dtype=np.uint16) for n in specs}
+    new = {n: v.copy() for n, v in old.items()}
+    for v in new.values():
+        v.reshape(-1)[rng.choice(v.size, 200, replace=False)] += 1
+    whole = diff(specs, old, new)
+    parts = [Patch({"a": whole.tensors["a"]}), Patch({"b": whole.tensors["b"], "c": whole.tensors["c"]})]
+    encoded = [encode(p, max_shard_bytes=600) for p in parts]
+    infos = {
+        n: TensorInfo(td.spec, td.base_fingerprint, td.target_fingerprint, td.changed)
+        for n, td in whole.tensors.items()
+    }
+    patch_id = compute_patch_id(infos)
+    total = sum(map(len, encoded))
+    shards = [renumber(s, patch_id, i, total) for i, s in enumerate(s for part in encoded for s in part)]
+    assert all(len(s) <= 600 for s in shards)
+    got = decode(shards[::-1], specs=specs)
+    for name, td in whole.tensors.items():
+        assert (got.tensors[name].indices == td.indices).all() and (got.tensors[name].delta == td.delta).all()
+    with pytest.raises(Exception, match="shard"):  # a writer's shards alone are not the patch
+        decode(shards[:1], specs=specs)
+
+
+def test_one_rank_publishes_what_the_publisher_publishes(tmp_path: Path) -> None:
+    trainer = ToyTrainer(seed=3)
+    sharded = ShardedPublisher(tmp_path / "a", "r", keyframe_every=3, keyframe_file_bytes=1 << 12)
+    plain = Publisher(tmp_path / "b", "r", keyframe_every=3, codec="zstd")
+    names = sorted(trainer.state)
+    for step in range(5):
+        trainer.step(lr=3e-3)
+        state = dict(trainer.state)
+        # Half the tensors as blocks covering the whole tensor, through LocalShard.
+        state.update(
+            {n: LocalShard(trainer.state[n], trainer.state[n].shape, (0,) * trainer.state[n].ndim) for n in names[::2]}
+        )
+        if step % 2:
+            sharded.publish_async(state).result()
+        else:
+            sharded.publish(state)
+        plain.publish(trainer.state)
+    sharded.close()
+    plain.close()
+    for version in range(1, 6):
+        ours, theirs = (Run(open_store(tmp_path / s), "r").read_manifest(version).manifest for s in "ab")
+        assert ours.tensors == theirs.tensors and (ours.keyframe is None) == (theirs.keyframe is None)
+    sub = Subscriber(tmp_path / "a", "r")
+    assert sub.sync() == 5
+    assert_bits_equal(sub.target.arrays, trainer.served())  # type: ignore[attr-defined]
+    sub.close()
+
+
+def test_bad_input_fails_the_step_and_the_next_one_follows(tmp_path: Path) -> None:
+    trainer = ToyTrainer(seed=4)
+    with ShardedPublisher(tmp_path, "r") as pub:
+        assert pub.publish(trainer.state) == 1
+        with pytest.raises(InvalidInput):
+            pub.publish({"x": "not a tensor"})
+        trainer.step()
+        assert pub.publish(trainer.state) == 2
+
+
+def test_a_commit_whose_response_was_lost_is_settled_by_the_next_publish(tmp_path: Path) -> None:
+    store = LostCommitResponse(open_store(tmp_path))
+    trainer = ToyTrainer(seed=5)
+    pub = ShardedPublisher(store, "r")
+    pub.publish(trainer.state)
+    trainer.step()
+    store.arm(reads=1)  # the manifest lands; its response and the read-back are lost
+    with pytest.raises(StorageUnavailable):
+        pub.publish(trainer.state)
+    v2 = trainer.served()
+    trainer.step()
+    assert pub.publish(trainer.state) == 3  # version 2 was settled as committed first
+    pub.close()
+    sub = Subscriber(tmp_path, "r")
+    assert sub.sync(2) == 2
+    assert_bits_equal(sub.target.arrays, v2)  # type: ignore[attr-defined]
+    assert sub.sync() == 3
+    assert_bits_equal(sub.target.arrays, trainer.served())  # type: ignore[attr-defined]
+    sub.close()

@@ -1,0 +1,116 @@
+"""Sharded publishing with real ranks: the same runs published by 1, 2 and 4 processes
+(gloo on CPU) are the same versions, bit for bit (tests/distributed/worker.py).
+
+Each world size is one job, spawned once for every scenario; the three jobs run side by
+side, each into its own store, under the same run names.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bulletin import Subscriber
+from bulletin.run import Run
+from bulletin.storage import open_store
+
+pytest.importorskip("torch.distributed")
+pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parents[2]
+WORLDS = (1, 2, 4)
+RUNS = {"fsdp": 8, "megatron": 5, "pipeline": 4}
+
+
+def launch(world: int, folder: Path) -> list[subprocess.Popen[bytes]]:
+    folder.mkdir(parents=True)
+    store = str(folder / "store")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "BULLETIN_CACHE_DIR": str(folder / "cache")}
+    return [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.distributed.worker", str(r), str(world), str(folder / "init"), store],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for r in range(world)
+    ]
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[int, str]]:
+    root = tmp_path_factory.mktemp("sharded")
+    jobs = {world: launch(world, root / f"w{world}") for world in WORLDS}
+    failed = []
+    for world, procs in jobs.items():
+        for rank, proc in enumerate(procs):
+            out, _ = proc.communicate(timeout=600)
+            if proc.returncode != 0:
+                failed.append(f"world {world} rank {rank} exited {proc.returncode}:\n{out.decode()[-3000:]}")
+    assert not failed, "\n".join(failed)
+    yield {world: str(root / f"w{world}" / "store") for world in WORLDS}
+
+
+def versions_of(store: str, run: str, last: int) -> list[dict[str, np.ndarray]]:
+    """Every version's bits, as a subscriber reconstructs and verifies them."""
+    out = []
+    sub = Subscriber(store, run)
+    for version in range(1, last + 1):
+        assert sub.sync(version) == version
+        target = sub.target
+        out.append({name: np.array(bits, copy=True) for name, bits in target.arrays.items()})  # type: ignore[attr-defined]
+    sub.close()
+    return out
+
+
+def tensor_entries(store: str, run: str) -> list[list[dict[str, object]]]:
+    r = Run(open_store(store), run)
+    return [
+        [entry.model_dump() for entry in r.read_manifest(v).manifest.tensors] for v in range(1, r.tip().version + 1)
+    ]
+
+
+@pytest.mark.parametrize("run", sorted(RUNS))
+def test_every_world_size_publishes_the_same_versions(stores: dict[int, str], run: str) -> None:
+    entries = {world: tensor_entries(store, run) for world, store in stores.items()}
+    assert len(entries[1]) == RUNS[run]
+    assert entries[2] == entries[1] and entries[4] == entries[1]
+    bits = {world: versions_of(store, run, RUNS[run]) for world, store in stores.items()}
+    for world in (2, 4):
+        for version, (ours, reference) in enumerate(zip(bits[world], bits[1], strict=True), start=1):
+            assert sorted(ours) == sorted(reference), (world, version)
+            for name in reference:
+                assert ours[name].tobytes() == reference[name].tobytes(), (world, version, name)
+    # The run really changes, and only in part, between versions (not a trivially equal chain).
+    first, second = bits[1][0], bits[1][1]
+    assert any(first[n].tobytes() != second[n].tobytes() for n in first)
+
+
+def test_a_sharded_run_is_the_single_process_run(stores: dict[int, str]) -> None:
+    """A subscriber of the FSDP2 run at 2 and 4 ranks holds, at every version, the bits the
+    plain Publisher published from one process of the same training."""
+    single = versions_of(stores[1], "fsdp-single", RUNS["fsdp"])
+    for world in (2, 4):
+        sharded = versions_of(stores[world], "fsdp", RUNS["fsdp"])
+        for version, (ours, reference) in enumerate(zip(sharded, single, strict=True), start=1):
+            assert {n: a.tobytes() for n, a in ours.items()} == {n: a.tobytes() for n, a in reference.items()}, version
+    assert tensor_entries(stores[4], "fsdp") == tensor_entries(stores[1], "fsdp-single")
+
+
+def test_the_chain_has_keyframes_and_patches(stores: dict[int, str]) -> None:
+    r = Run(open_store(stores[4]), "fsdp")
+    kinds = [
+        ("k" if m.keyframe else "") + ("p" if m.patch else "")
+        for m in (r.read_manifest(v).manifest for v in range(1, RUNS["fsdp"] + 1))
+    ]
+    # keyframe_every=4: versions 1 and 5 in full; the restarted job's steps 7, 8 are patches.
+    assert kinds == ["k", "p", "p", "p", "k", "p", "p", "p"]
+    patch = r.read_manifest(2).manifest.patch
+    assert patch is not None and len(patch.shards) > 1  # several writer ranks' shards, one patch

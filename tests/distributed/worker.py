@@ -1,0 +1,176 @@
+"""One rank of a sharded publishing job: every scenario, in one process (spawned once per
+world size by tests/distributed/test_sharded.py).
+
+``python -m tests.distributed.worker RANK WORLD INIT_FILE STORE_DIR``. Scenarios:
+
+- ``fsdp``: a tiny transformers Llama, FSDP2 ``fully_shard`` over gloo, AdamW on FP32
+  masters, published as BF16 (sync and async steps, a keyframe mid-run), then a new
+  publisher (a restarted job) resumes and publishes two more steps. Only rank 0's loss
+  counts (the others' is multiplied by 0 and rank 0's by the world size, a power of two):
+  FSDP's gradient reduction then adds exact zeros and divides by powers of two, so the
+  weights are bit-identical at every world size and the runs can be compared.
+  With one rank the plain :class:`bulletin.Publisher` publishes the same steps to
+  ``fsdp-single``.
+- ``megatron``: column-parallel (dim 0) and row-parallel (dim 1) blocks as
+  :class:`~bulletin.distributed.LocalShard`, a replicated bias.
+- ``pipeline``: stage r holds layers r, r + W, ...: whole tensors, different per rank.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from bulletin import Publisher
+from bulletin.distributed import LocalShard, ShardedPublisher
+
+STEPS = 6
+#: Small shards and keyframe files, so that several ranks write each version's.
+FSDP_OPTIONS: dict[str, Any] = {
+    "keyframe_every": 4,
+    "max_shard_bytes": 1 << 14,
+    "keyframe_file_bytes": 1 << 14,
+    "timeout_s": 60,
+}
+
+
+def _llama() -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config)
+
+
+def fsdp(rank: int, world: int, store: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = _llama()
+    single = _llama() if world == 1 else None
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-4, weight_decay=0.01)
+    gen = torch.Generator().manual_seed(1)
+    pub = ShardedPublisher(store, "fsdp", **FSDP_OPTIONS)
+    plain = Publisher(store, "fsdp-single", keyframe_every=4, codec="zstd") if world == 1 else None
+    pending = []
+
+    def train_step() -> None:
+        ids = torch.randint(0, 96, (2, 16), generator=gen)
+        loss = model(input_ids=ids, labels=ids).loss * (world if rank == 0 else 0.0)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    for step in range(STEPS + 2):
+        if step == STEPS:  # the job restarts: a new publisher resumes from the run
+            for f in pending:
+                f.result()
+            pub.close()
+            pub = ShardedPublisher(store, "fsdp", **FSDP_OPTIONS)
+        train_step()
+        state = model.state_dict()
+        if step % 2:
+            pending.append(pub.publish_async(state))
+        else:
+            pub.publish(state)
+        if plain is not None:
+            plain.publish({k: v.full_tensor() for k, v in state.items()})
+    pub.close()
+    if plain is not None:
+        plain.close()
+    del single
+
+
+def _full(name: str, shape: tuple[int, ...], version: int) -> torch.Tensor:
+    """The deterministic full value of a tensor at a version (every rank can make it)."""
+    seed = (sum(map(ord, name)) * 7919 + version) % (2**31)
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(shape, generator=torch.Generator().manual_seed(sum(map(ord, name))))
+    return base + 1e-2 * version * torch.randn(shape, generator=g)
+
+
+def _split(n: int, world: int, rank: int) -> tuple[int, int]:
+    lo = n * rank // world
+    return lo, n * (rank + 1) // world - lo
+
+
+def _refused(pub: ShardedPublisher, rank: int, world: int) -> None:
+    """Bad input on one rank, and blocks that overlap: the step fails on every rank alike,
+    typed, and nothing is committed; the next step follows from the committed version."""
+    from bulletin.errors import IncompatibleLayout, InvalidInput, RankFailed
+
+    bad: dict[str, Any] = {"x": "not a tensor"} if rank == world - 1 else {"x": torch.zeros(4)}
+    try:
+        pub.publish(bad)
+    except (InvalidInput, RankFailed) as exc:
+        assert isinstance(exc, InvalidInput if rank == world - 1 else RankFailed), exc
+    else:
+        raise AssertionError("a bad state dict was published")
+    if world > 1:
+        overlap = {"x": LocalShard(torch.zeros(3), (4,), (min(rank, 1),))}
+        try:
+            pub.publish(overlap)
+        except IncompatibleLayout:
+            pass
+        else:
+            raise AssertionError("overlapping blocks were published")
+    assert pub.version is None  # nothing was committed
+
+
+def megatron(rank: int, world: int, store: str) -> None:
+    pub = ShardedPublisher(store, "megatron", keyframe_every=3, timeout_s=60)
+    _refused(pub, rank, world)
+    for version in range(1, 6):
+        up = _full("mlp.up.weight", (24, 10), version)
+        down = _full("mlp.down.weight", (10, 24), version)
+        bias = _full("mlp.down.bias", (10,), version)
+        o0, n0 = _split(24, world, rank)
+        state = {
+            "mlp.up.weight": LocalShard(up[o0 : o0 + n0].clone(), (24, 10), (o0, 0)),
+            "mlp.down.weight": LocalShard(down[:, o0 : o0 + n0].contiguous(), (10, 24), (0, o0)),
+            "mlp.down.bias": bias,  # replicated: published once
+        }
+        pub.publish(state)
+    pub.close()
+
+
+def pipeline(rank: int, world: int, store: str) -> None:
+    pub = ShardedPublisher(store, "pipeline", keyframe_every=3, timeout_s=60)
+    for version in range(1, 5):
+        state = {
+            f"layers.{i}.weight": _full(f"layers.{i}.weight", (6, 5), version) for i in range(4) if i % world == rank
+        }
+        if rank == world - 1:
+            state["head.weight"] = _full("head.weight", (3, 5), version).to(torch.float64)
+        pub.publish(state)
+    pub.close()
+
+
+def main() -> None:
+    rank, world, init, store = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    torch.set_num_threads(1)  # the same matmul blocking at every world size
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    for scenario in (fsdp, megatron, pipeline):
+        scenario(rank, world, store)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
