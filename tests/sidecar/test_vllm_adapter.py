@@ -431,3 +431,58 @@ def test_engine_errors_bad_json_and_timeouts_are_clear(tmp_path: Path, engines: 
     server.worker_delay = 0.0
     with pytest.raises(InvalidInput, match="specs must be a list"):  # a worker's error, by its code
         target.call("abort", {"specs": "bad"})
+
+
+def _stage(model: VllmLlama, drop: list[str]) -> VllmLlama:
+    """A pipeline stage: the layers another stage holds are vLLM's ``PPMissingLayer``
+    (an ``Identity``, ``model_executor/models/utils.py``), without parameters."""
+    for path in drop:
+        parent, _, name = path.rpartition(".")
+        owner = model.get_submodule(parent) if parent else model
+        if isinstance(owner, torch.nn.ModuleList):
+            owner[int(name)] = torch.nn.Identity()
+        else:
+            setattr(owner, name, torch.nn.Identity())
+    return model
+
+
+def test_pipeline_stages_patch_only_their_own_layers_and_must_cover_every_tensor(
+    tmp_path: Path, trainer: LlamaForCausalLM
+) -> None:
+    # Stage 0: embedding and layer 0; stage 1: layer 1, the final norm and the tied head
+    # (vLLM's last stage holds lm_head, here the embedding it is tied to).
+    stages = [_stage(VllmLlama(), ["model.layers.1", "model.norm"]), _stage(VllmLlama(), ["model.layers.0"])]
+    server = VllmServer([extended_worker(m, pp_rank=i) for i, m in enumerate(stages)])
+    store = str(tmp_path / "store")
+    opt = torch.optim.AdamW(trainer.parameters(), lr=1e-3)
+    try:
+        sub = Subscriber(store, "r", target=VLLMTarget(LocalDirTarget(tmp_path / "local", run="r"), server.url))
+        with Publisher(store, "r", keyframe_every=10) as pub:
+            for step in range(3):  # a keyframe, then two patches applied in place per stage
+                if step:
+                    train_step(trainer, opt)
+                version = pub.publish(trainer.state_dict())
+                assert sub.sync() == version
+                want = expected_fused(trainer)
+                for stage in stages:
+                    params = dict(stage.named_parameters())
+                    held = [n for n in want if n in params]
+                    assert held and all(
+                        torch.equal(params[n].view(torch.int16), want[n].view(torch.int16)) for n in held
+                    )
+        sub.close()
+    finally:
+        server.close()
+    # A tensor no stage holds (the final norm dropped from both) is refused at bind.
+    uncovered = [
+        _stage(VllmLlama(), ["model.layers.1", "model.norm"]),
+        _stage(VllmLlama(), ["model.layers.0", "model.norm"]),
+    ]
+    server = VllmServer([extended_worker(m, pp_rank=i) for i, m in enumerate(uncovered)])
+    try:
+        sub = Subscriber(store, "r", target=VLLMTarget(LocalDirTarget(tmp_path / "other", run="r"), server.url))
+        with pytest.raises(IncompatibleTensors, match=r"model\.norm\.weight"):
+            sub.sync()
+        sub.close()
+    finally:
+        server.close()
