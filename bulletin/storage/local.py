@@ -374,7 +374,9 @@ class LocalStore(StoreBase):
         sha256: str | None = None,
         max_bytes: int | None = None,
     ) -> Downloaded:
-        """Copy the object to ``path`` (temp file, SHA-256 while copying, fsync, rename)."""
+        """Copy the object to ``path``: in the kernel (``copy_file_range``) to a temp file,
+        each chunk hashed (SHA-256) from the page cache while the next is copied, then
+        fsync, verify, rename (through memory where the kernel cannot copy)."""
         self._check_open()
         _, source = self._path(key)
         expected = check_sha256(sha256)
@@ -389,6 +391,9 @@ class LocalStore(StoreBase):
             if bound is not None and st.st_size > bound:
                 raise too_large(context, st.st_size, bound)
             with FileSink(target, context=context, max_bytes=bound) as sink:
+                # Objects are never changed in place: the descriptor's stat is these bytes'.
+                if sink.copy_from(fd, st.st_size):
+                    return sink.finish(_etag(st), sha256=expected, size=st.st_size)
                 buffer = memoryview(bytearray(min(CHUNK, max(st.st_size, 1))))
                 while True:
                     with self._os_errors(key):
@@ -396,7 +401,6 @@ class LocalStore(StoreBase):
                     if not n:
                         break
                     sink.write(buffer[:n])
-                # Objects are never changed in place: the descriptor's stat is these bytes'.
                 return sink.finish(_etag(st), sha256=expected)
         finally:
             os.close(fd)

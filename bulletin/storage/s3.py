@@ -619,9 +619,9 @@ class S3Store(StoreBase):
         check_key(key)
         with SourceFile(path) as source:
             if source.size > self._multipart_threshold:
-                from bulletin.storage.s3_transfer import upload
+                from bulletin.storage.s3_transfer import FileSource, upload
 
-                return upload(self, key, source)
+                return upload(self, key, FileSource(source))
             data = source.read_at(0, source.size)
         return self._put(key, data, {"IfNoneMatch": "*"})
 

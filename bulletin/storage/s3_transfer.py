@@ -1,8 +1,10 @@
 """Large objects on S3: create-only multipart uploads and parallel ranged downloads.
 
 Both run on the store's own transfer pool (``transfer_workers`` threads, one request
-each, inside the store's connection pool), with at most a window of parts held in
-memory: O(part size x workers), never the whole object.
+each, inside the store's connection pool). Neither holds a part in memory: an upload's
+parts stream from the file (:class:`~bulletin.storage.files.FileRange`), a download's
+land in the temp file through one 1 MiB buffer per thread, so memory is
+O(workers x 1 MiB) whatever the part size (as boto3's transfer manager).
 
 **Uploads** (``put_if_absent`` / ``put_file_if_absent`` above ``multipart_threshold``):
 
@@ -29,27 +31,33 @@ object takes 525 MiB parts), at most 5 GiB; a larger object is ``InvalidInput``.
 object's size (``Content-Range``) and ETag; an object over ``max_bytes`` is refused
 there, its body unread. The other parts are ranged GETs with ``If-Match`` on that ETag
 (an object replaced meanwhile fails instead of mixing two versions), written at their
-offsets as they arrive and hashed in order (SHA-256) on the calling thread. A part
-whose body breaks off is fetched again (``max_attempts``).
+offsets as they arrive (``pwrite``, writeback started per part) and hashed in order
+(SHA-256) on the calling thread, read back from the temp file's page cache while the
+next parts arrive. A part whose body breaks off is fetched again (``max_attempts``).
 """
 
 from __future__ import annotations
 
 import base64
+import http.client
 import logging
 import random
 import re
+import threading
 import time
 import uuid
 import zlib
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any, Final, Protocol
 
 import botocore.exceptions as bx
+from botocore.response import StreamingBody
 
-from bulletin.errors import AccessDenied, InvalidInput, StorageUnavailable
+from bulletin.errors import AccessDenied, BulletinError, InvalidInput, StorageUnavailable
 from bulletin.storage.base import Downloaded, Updated, WriteResult
-from bulletin.storage.files import CHUNK, FileSink, run_window
+from bulletin.storage.files import CHUNK, FileRange, FileSink, SourceFailed, SourceFile, run_window
 from bulletin.storage.keys import join_key, too_large
 from bulletin.storage.s3 import (
     _CONDITIONAL_CONFLICT,
@@ -61,7 +69,16 @@ from bulletin.storage.s3 import (
     translate_error,
 )
 
-__all__ = ["MAX_PARTS", "MAX_PART_SIZE", "MIN_PART_SIZE", "download", "part_size_for", "upload"]
+__all__ = [
+    "MAX_PARTS",
+    "MAX_PART_SIZE",
+    "MIN_PART_SIZE",
+    "BytesSource",
+    "FileSource",
+    "download",
+    "part_size_for",
+    "upload",
+]
 
 log = logging.getLogger("bulletin.storage")
 
@@ -81,7 +98,9 @@ class Source(Protocol):
     @property
     def size(self) -> int: ...
 
-    def read_at(self, offset: int, length: int) -> bytes: ...
+    def part(self, offset: int, length: int) -> tuple[bytes | FileRange, int]:
+        """The body of one part (sent as it is read) and its CRC-32."""
+        ...
 
 
 class BytesSource:
@@ -94,8 +113,29 @@ class BytesSource:
     def size(self) -> int:
         return len(self._data)
 
-    def read_at(self, offset: int, length: int) -> bytes:
-        return self._data[offset : offset + length]
+    def part(self, offset: int, length: int) -> tuple[bytes | FileRange, int]:
+        data = self._data[offset : offset + length]
+        return data, zlib.crc32(data)
+
+
+class FileSource:
+    """A local file as a :class:`Source`: each part a :class:`FileRange`, streamed from the
+    page cache by botocore (the CRC-32, the payload's SHA-256 when the endpoint is plain
+    HTTP, then the send: small reads each), so no part is ever held in memory."""
+
+    def __init__(self, source: SourceFile) -> None:
+        self._source = source
+
+    @property
+    def size(self) -> int:
+        return self._source.size
+
+    def part(self, offset: int, length: int) -> tuple[bytes | FileRange, int]:
+        body = FileRange(self._source, offset, length)
+        try:
+            return body, body.crc32()
+        except SourceFailed as exc:
+            raise exc.error from exc.error.__cause__
 
 
 def part_size_for(size: int, part_size: int) -> int:
@@ -161,10 +201,13 @@ def _send_parts(
 
     def send(index: int) -> dict[str, Any]:
         offset = index * part
-        data = source.read_at(offset, min(part, source.size - offset))
-        checksum = base64.b64encode(zlib.crc32(data).to_bytes(4, "big")).decode()
+        length = min(part, source.size - offset)
+        body, crc = source.part(offset, length)
+        checksum = base64.b64encode(crc.to_bytes(4, "big")).decode()
         where = f"{context}: part {index + 1} of {count}"
         for attempt in range(1, store._max_attempts + 1):
+            if isinstance(body, FileRange):
+                body.seek(0)
             try:
                 response = store._call(
                     where,
@@ -172,7 +215,8 @@ def _send_parts(
                     Key=full,
                     UploadId=upload_id,
                     PartNumber=index + 1,
-                    Body=data,
+                    Body=body,
+                    ContentLength=length,
                     ChecksumCRC32=checksum,
                 )
             except bx.ClientError as exc:
@@ -180,11 +224,18 @@ def _send_parts(
                     _backoff(attempt)
                     continue
                 raise store._error(exc, where) from exc
+            except Exception as exc:
+                # The local file failed under botocore: its own error, not the transport's.
+                failure = body.failure if isinstance(body, FileRange) else None
+                if failure is not None:
+                    raise failure from exc
+                raise
             return {"PartNumber": index + 1, "ETag": response["ETag"], "ChecksumCRC32": checksum}
         raise StorageUnavailable(f"{where}: kept arriving damaged")  # unreachable: the loop raises
 
-    # Queued parts hold nothing (each reads its bytes when it runs): the window only
-    # keeps this upload from flooding a pool that other transfers share.
+    # Queued parts hold nothing (each opens its range when it runs), and a running one
+    # holds only botocore's small reads: the window only keeps this upload from flooding
+    # a pool that other transfers share.
     run_window(store._transfers(), count, send, 2 * store._transfer_workers, lambda _, p: parts.append(p))
     return parts
 
@@ -263,27 +314,78 @@ def download(store: S3Store, key: str, target: Path, sha256: str | None, max_byt
             raise too_large(context, total, max_bytes)
         count = -(-total // part)
 
-        def fetch(index: int) -> bytes:
+        def fetch(index: int) -> int:
             start = index * part
             end = min(start + part, total) - 1
-            data: bytes | None = None
+            received = -1
             if index == 0:
                 try:
-                    with first["Body"] as body:
-                        data = bytes(body.read())
-                except _STREAM_ERRORS:
-                    data = None  # fetched again below, now with If-Match
-            if data is None or len(data) != end - start + 1:
-                data = _read_range(store, full, context, start, end, etag)
-            sink.write_at(start, data)
-            return data
+                    received = _receive(first["Body"], sink, start, end - start + 1)
+                except BulletinError:
+                    raise  # the local disk's (LocalStorageError is an OSError too)
+                except _RECEIVE_ERRORS:
+                    pass  # fetched again below, now with If-Match
+                finally:
+                    first["Body"].close()
+            if received != end - start + 1:
+                _read_range(store, full, context, start, end, etag, sink)
+            sink.written(start, end - start + 1)
+            return end - start + 1
 
         try:
-            # Results wait in the window until hashed: memory is (workers + 2) parts at most.
-            run_window(store._transfers(), count, fetch, store._transfer_workers + 2, lambda _, d: sink.update(d))
+            # Parts land in the temp file; this thread hashes them in order from the page
+            # cache. A part in flight holds one receive buffer: memory is the threads'
+            # buffers, whatever the part size or how far the hashing lags.
+            run_window(store._transfers(), count, fetch, 2 * store._transfer_workers, lambda _, n: sink.absorb(n))
         finally:
             first["Body"].close()
         return sink.finish(etag, sha256=sha256, size=total)
+
+
+#: Bytes per read of a part's body into the receiving thread's buffer.
+_RECEIVE: Final = 1 << 20
+#: Errors of a body read straight from http.client (urllib3's wrappers are skipped).
+_RECEIVE_ERRORS: Final = (*_STREAM_ERRORS, http.client.HTTPException)
+_buffers = threading.local()
+
+
+def _receive(body: Any, sink: FileSink, offset: int, length: int) -> int:
+    """Up to ``length`` bytes of a response body written at ``offset`` of ``sink``, through
+    this thread's buffer; the number received (less than ``length``: the body broke off).
+
+    botocore's plain body wraps urllib3's, which wraps http.client's; reading into the
+    buffer from the last saves urllib3's ``readinto`` (a ``read``, then a copy) and an
+    allocation per read, about a third of the client's CPU time here. botocore asks for
+    the raw bytes (``decode_content=False``), so both give the same bytes; a body that
+    validates a checksum (botocore's ``StreamingChecksumBody``) is read through its own
+    ``readinto``. A connection read to its end goes back to urllib3's pool.
+    """
+    view: memoryview | None = getattr(_buffers, "view", None)
+    if view is None:
+        view = _buffers.view = memoryview(bytearray(_RECEIVE))
+    raw = getattr(body, "_raw_stream", None)
+    fp = getattr(raw, "_fp", None)
+    direct = type(body) is StreamingBody and isinstance(fp, http.client.HTTPResponse)
+    read_into: Callable[[memoryview], int] = (
+        fp.readinto if direct else getattr(body, "readinto", None) or partial(_read_into, body)  # type: ignore[union-attr]
+    )
+    got = 0
+    while got < length:
+        n = read_into(view[: min(len(view), length - got)])
+        if not n:
+            break
+        sink.write_at(offset + got, view[:n])
+        got += n
+    if direct and fp.isclosed():  # type: ignore[union-attr]
+        raw.release_conn()  # type: ignore[union-attr]
+    return got
+
+
+def _read_into(body: Any, view: memoryview) -> int:
+    """``readinto`` for a body that only has ``read`` (s3fs's)."""
+    data = body.read(len(view))
+    view[: len(data)] = data
+    return len(data)
 
 
 def _first_range(store: S3Store, full: str, context: str, part: int) -> dict[str, Any] | None:
@@ -295,11 +397,9 @@ def _first_range(store: S3Store, full: str, context: str, part: int) -> dict[str
         raise store._error(exc, context) from exc
 
 
-def _read_range(store: S3Store, full: str, context: str, start: int, end: int, etag: str) -> bytes:
-    """Bytes ``start..end`` of the version ``etag`` of the object, fetched again while the
-    body breaks off (``max_attempts``)."""
-    from bulletin.storage.s3 import _STREAM_ERRORS, translate_error
-
+def _read_range(store: S3Store, full: str, context: str, start: int, end: int, etag: str, sink: FileSink) -> None:
+    """Bytes ``start..end`` of the version ``etag`` of the object, written at ``start`` of
+    ``sink``, fetched again while the body breaks off (``max_attempts``)."""
     where = f"{context}: bytes {start}-{end}"
     for attempt in range(1, store._max_attempts + 1):
         try:
@@ -312,18 +412,22 @@ def _read_range(store: S3Store, full: str, context: str, start: int, end: int, e
                     f"{context}: the object was replaced while it was read; read it again"
                 ) from exc
             raise store._error(exc, where) from exc
+        body = response["Body"]
         try:
-            with response["Body"] as body:
-                data = bytes(body.read())
-        except _STREAM_ERRORS as exc:
+            got = _receive(body, sink, start, end - start + 1)
+        except BulletinError:
+            raise  # the local disk's (LocalStorageError is an OSError too)
+        except _RECEIVE_ERRORS as exc:
             if attempt >= store._max_attempts:
                 raise translate_error(exc, f"{where}: reading the body") from exc
             _backoff(attempt)
             continue
-        if len(data) == end - start + 1:
-            return data
+        finally:
+            body.close()
+        if got == end - start + 1:
+            return
         if attempt >= store._max_attempts:
-            raise StorageUnavailable(f"{where}: {len(data)} bytes arrived")
+            raise StorageUnavailable(f"{where}: {got} bytes arrived")
         _backoff(attempt)
     raise StorageUnavailable(f"{where}: no attempts left")  # unreachable: the loop returns or raises
 

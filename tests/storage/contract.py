@@ -226,7 +226,19 @@ class FileTransferContract:
                 written[0] += n
             return n
 
+        real_copy = os.copy_file_range
+
+        def filling_disk_in_the_kernel(src: int, dst: int, count: int, *offsets: Any) -> int:
+            with lock:
+                if written[0] > 1 << 20:
+                    raise OSError(errno.ENOSPC, "No space left on device")
+            n = real_copy(src, dst, min(count, 256 << 10), *offsets)
+            with lock:
+                written[0] += n
+            return n
+
         monkeypatch.setattr(os, "pwrite", filling_disk)
+        monkeypatch.setattr(os, "copy_file_range", filling_disk_in_the_kernel)  # the local store's copy
         with pytest.raises(DiskFull):
             store.get_to_file("obj", target)
         monkeypatch.undo()

@@ -9,6 +9,7 @@ import hashlib
 import io
 import os
 import threading
+import tracemalloc
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,7 +19,7 @@ from urllib.parse import urlsplit
 import boto3
 import pytest
 
-from bulletin.errors import BulletinError, StorageUnavailable
+from bulletin.errors import LocalStorageError, StorageUnavailable
 from bulletin.storage import Conflicted, S3Store, Updated
 from bulletin.storage.s3 import WRITE_ID_METADATA
 from tests.conftest import S3_TEST_REGION
@@ -151,7 +152,7 @@ def test_a_failed_part_aborts_the_upload(
         return real_pread(fd, n, offset)
 
     monkeypatch.setattr(os, "pread", failing_read)
-    with pytest.raises(BulletinError):
+    with pytest.raises(LocalStorageError, match="Input/output error"):  # the disk's error, not the transport's
         store.put_file_if_absent("failed", source)
     monkeypatch.undo()
     assert sent  # parts were sent before the failure
@@ -226,3 +227,27 @@ def test_an_object_replaced_mid_download_is_refused(
     with pytest.raises(StorageUnavailable, match="replaced"):
         store.get_to_file("k", tmp_path / "out")
     assert os.listdir(tmp_path) == [source.name]
+
+
+def test_parts_in_flight_are_not_held_in_memory(s3_endpoint: str, s3_bucket: str, tmp_path: Path) -> None:
+    """Uploads stream each part from the file and downloads land through one 1 MiB buffer
+    per thread: the peak is far below the parts in flight (here 6 of 5 MiB)."""
+    big = tmp_path / "big"
+    big.write_bytes(os.urandom(6 * PART))
+    digest = hashlib.sha256(big.read_bytes()).hexdigest()
+    store = _store(s3_endpoint, s3_bucket, transfer_workers=6)
+    try:
+        tracemalloc.start()
+        try:
+            store.put_file_if_absent("big", big)
+            _, up_peak = tracemalloc.get_traced_memory()
+            tracemalloc.reset_peak()
+            got = store.get_to_file("big", tmp_path / "out", sha256=digest)
+            _, down_peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+    finally:
+        store.close()
+    assert got.size == 6 * PART and (tmp_path / "out").read_bytes() == big.read_bytes()
+    assert up_peak < 2 * PART, up_peak  # a part held whole per thread would be 30 MiB
+    assert down_peak < 3 * PART, down_peak  # read-back buffer (one part here) + 1 MiB per thread
