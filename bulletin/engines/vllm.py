@@ -13,17 +13,19 @@ Start vLLM from the folder the sidecar keeps::
     VLLM_SERVER_DEV_MODE=1 vllm serve <local-dir>/current --dtype bfloat16 \\
         --worker-extension-cls bulletin.engines.vllm.BulletinWorkerExtension
 
-:class:`VLLMTarget` (the sidecar side) applies each version to that folder first
-(journaled, verified: it is what a restarted engine loads), pauses the engine
-(``mode=abort``: requests that outlived the sidecar's drain end with finish reason
-``abort``, and nothing runs while bits change), writes the patch in Bulletin's own
-shard format to a spool folder on the same machine and calls ``bulletin_apply`` on
-every worker. Each worker decodes the shards and applies them with
-:class:`~bulletin.engines.torch_module.TorchTarget` to zero-copy views of its own
-parameters (:func:`~bulletin.engines.torch_module.packed_views` finds ``q_proj`` inside
-``qkv_proj`` and so on). At activation the prefix and encoder caches are reset (nothing
-computed with the old bits is reused), vLLM's weight version is set to Bulletin's, and
-the engine resumes.
+:class:`VLLMTarget` (the sidecar side) does all it can while the engine still serves
+(:meth:`VLLMTarget.prepare`, before the sidecar's gate is held): it applies the version
+to that folder (journaled, verified, not activated: it is what a restarted engine
+loads), writes the patch in Bulletin's own shard format to a spool folder on the same
+machine and calls ``bulletin_prepare`` on every worker, which decodes its part and
+checks and precomputes it with :class:`~bulletin.engines.torch_module.TorchTarget` on
+zero-copy views of its own parameters (reads only;
+:func:`~bulletin.engines.torch_module.packed_views` finds ``q_proj`` inside ``qkv_proj``
+and so on). Then it pauses the engine (``mode=abort``: requests that outlived the
+sidecar's drain end with finish reason ``abort``, and nothing runs while bits change)
+and calls ``bulletin_apply``: the pause is the workers' writes. At activation the prefix
+and encoder caches are reset (nothing computed with the old bits is reused), vLLM's
+weight version is set to Bulletin's, and the engine resumes.
 
 Tensor (and pipeline) parallelism: each worker maps the served tensors to the pieces of
 its own parameters with :class:`~bulletin.engines.rank_layout.RankLayout` (vLLM's
@@ -52,6 +54,7 @@ import logging
 import secrets
 import shutil
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
@@ -86,7 +89,7 @@ SPOOL_SHARD_BYTES: Final = 64 << 20
 #: What a worker's exception message starts its JSON error with (vLLM relays the text).
 ERROR_MARK: Final = "bulletin-error "
 
-_METHODS: Final = frozenset({"bind", "fingerprints", "load", "apply", "abort", "activate"})
+_METHODS: Final = frozenset({"bind", "fingerprints", "load", "prepare", "apply", "abort", "activate"})
 _ERRORS: Final[dict[str, type[BulletinError]]] = {
     cls.code: cls for cls in vars(errors).values() if isinstance(cls, type) and issubclass(cls, BulletinError)
 }
@@ -152,6 +155,9 @@ class WorkerState:
         self.layout: RankLayout | None = None
         self.target: WeightTarget | None = None
         self.specs: dict[str, TensorSpec] | None = None
+        #: A patch checked and precomputed by ``prepare`` (reads only), with this rank's
+        #: base and expected partials, for the next ``apply`` to write.
+        self._staged: tuple[Patch, dict[str, int], dict[str, int]] | None = None
 
     @property
     def dropped(self) -> list[str]:
@@ -223,22 +229,41 @@ class WorkerState:
             # Read back from the live parameters: what the engine computes with.
             held = self._check(target.full_fingerprints(), expect, VerificationFailed, layout)
             return {"fingerprints": _fps_to_json(held), "rank": layout.key}
-        if method == "apply":
-            from patcher.decode import decode
-
-            base = self._mine(body, "fingerprints", layout)
-            if base is None or expect is None:
-                raise InvalidInput("apply needs each rank's fingerprints and expect")
-            shards = [Path(p).read_bytes() for p in _paths(body, "shards")]
-            local = layout.local_patch(decode(shards), base, expect)
+        if method in ("prepare", "apply"):
+            staged, self._staged = self._staged, None
+            if method == "apply" and body.get("prepared") is True:
+                if staged is None:
+                    raise InvalidInput("apply of a prepared patch, but nothing is prepared on this rank")
+                local, base, expect = staged
+            else:
+                local, base, expect = self._local_patch(body, layout, expect)
+            if method == "prepare":
+                # Reads only, while the engine still serves: decoded, checked against this
+                # rank's base and targets, the new bits computed; nothing is written.
+                target.prepare(local, {n: base[n] for n in local.tensors})
+                self._staged = (local, base, expect)
+                return {"rank": layout.key}
             # Refused before any write unless the bits read land on this rank's targets.
             fps = {**base, **target.apply(local, {n: base[n] for n in local.tensors})}
             return {
                 "fingerprints": _fps_to_json(self._check(fps, expect, VerificationFailed, layout)),
                 "rank": layout.key,
             }
+        self._staged = None
         target.abort()
         return {"rank": layout.key}
+
+    def _local_patch(
+        self, body: Mapping[str, Any], layout: RankLayout, expect: dict[str, int] | None
+    ) -> tuple[Patch, dict[str, int], dict[str, int]]:
+        """This rank's part of the spooled patch, with its base and expected partials."""
+        from patcher.decode import decode
+
+        base = self._mine(body, "fingerprints", layout)
+        if base is None or expect is None:
+            raise InvalidInput("apply needs each rank's fingerprints and expect")
+        shards = [Path(p).read_bytes() for p in _paths(body, "shards")]
+        return layout.local_patch(decode(shards), base, expect), base, expect
 
     @staticmethod
     def _check(
@@ -305,6 +330,9 @@ class BulletinWorkerExtension:
     def bulletin_load(self, request: str) -> dict[str, Any]:
         return self.bulletin_call("load", request)
 
+    def bulletin_prepare(self, request: str) -> dict[str, Any]:
+        return self.bulletin_call("prepare", request)
+
     def bulletin_apply(self, request: str) -> dict[str, Any]:
         return self.bulletin_call("apply", request)
 
@@ -339,6 +367,17 @@ def _worker_error(text: str) -> dict[str, Any] | None:
 
 
 # -- sidecar side ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Staged:
+    """A patch :meth:`VLLMTarget.prepare` applied to the folder and spooled to every worker."""
+
+    patch: Patch
+    base: dict[str, int]
+    new: dict[str, int]  # the folder's fingerprints after it
+    expected: dict[str, int]  # the engine's (served tensors only)
+    after: list[dict[str, int]]  # each rank's partials after it
 
 
 class VLLMTarget(WeightTarget):
@@ -377,6 +416,8 @@ class VLLMTarget(WeightTarget):
         self._rank_fps: list[dict[str, int]] | None = None
         self._workers: int | None = None
         self._paused = False
+        #: The patch :meth:`prepare` applied to the folder and had every worker prepare.
+        self._staged: _Staged | None = None
 
     # -- HTTP ------------------------------------------------------------------------------
 
@@ -584,9 +625,13 @@ class VLLMTarget(WeightTarget):
                 self.local.dir,
             )
             return None
+        # Partials already known for these bits stay: the folder may hold a prepared
+        # patch's bits by now (staged, not activated), not the version's.
+        known = self._rank_fps is not None and self._engine_fps == engine
         self._engine_fps = engine
         plan = self.plan
-        self._rank_fps = self._expected(plan, restored.fingerprints) if plan is not None else None
+        if not known:
+            self._rank_fps = self._expected(plan, restored.fingerprints) if plan is not None else None
         return restored
 
     def load_full(self, tensors: Mapping[str, Bits], specs: Mapping[str, TensorSpec]) -> None:
@@ -603,7 +648,15 @@ class VLLMTarget(WeightTarget):
             raise VerificationFailed("vLLM's workers did not load the keyframe bit for bit")
         self._engine_fps, self._rank_fps = expected, ranks
 
-    def apply(self, patch: Patch, fingerprints: Mapping[str, int]) -> dict[str, int]:
+    def prepare(self, patch: Patch, fingerprints: Mapping[str, int]) -> None:
+        """Everything an apply does but the engine's writes, while the engine still serves:
+        the folder patched (journaled, not activated), the ranks' partials before and after
+        computed and checked, the patch spooled, and every worker's part decoded, checked
+        and precomputed (reads only). The sidecar's gate is not held meanwhile."""
+        self._staged = None
+        self._staged = self._stage(patch, fingerprints)
+
+    def _stage(self, patch: Patch, fingerprints: Mapping[str, int]) -> _Staged:
         from patcher.encode import encode
 
         new = self.local.apply(patch, fingerprints)  # checks the base and the layout first
@@ -635,24 +688,43 @@ class VLLMTarget(WeightTarget):
                 "fingerprints": self._per_rank(plan, before),
                 "expect": self._per_rank(plan, after),
             }
-            self.pause()
-            # Every worker (of every engine) refuses before writing unless it lands on its
-            # own partials; the first engine's are summed again here.
-            results = self.call("apply", body)
-            if self._gather(plan, results) != expected:
-                raise VerificationFailed("vLLM's workers landed on other bits than the local copy")
-            self._engine_fps, self._rank_fps = expected, after
+            # Every worker (of every engine) decodes its part and refuses unless its bits
+            # would land on its own partials; nothing is written yet.
+            self.call("prepare", body)
         except BaseException:
             self._abort_engine()
             self.local.abort()
             raise
         finally:
-            shutil.rmtree(stem, ignore_errors=True)
-        return new
+            shutil.rmtree(stem, ignore_errors=True)  # the workers hold their parts now
+        return _Staged(patch, dict(fingerprints), new, expected, after)
+
+    def apply(self, patch: Patch, fingerprints: Mapping[str, int]) -> dict[str, int]:
+        staged, self._staged = self._staged, None
+        if staged is not None and (staged.patch is not patch or staged.base != dict(fingerprints)):
+            self._abort_engine()  # prepared for another patch: start again from the held version
+            self.local.abort()
+            staged = None
+        if staged is None:
+            staged = self._stage(patch, fingerprints)
+        try:
+            self.pause()
+            # The pause is the writes: every worker writes what it prepared and reads its
+            # partials back; the first engine's are summed again here.
+            results = self.call("apply", {"prepared": True})
+            if self.plan is None or self._gather(self.plan, results) != staged.expected:
+                raise VerificationFailed("vLLM's workers landed on other bits than the local copy")
+            self._engine_fps, self._rank_fps = staged.expected, staged.after
+        except BaseException:
+            self._abort_engine()
+            self.local.abort()
+            raise
+        return staged.new
 
     def _abort_engine(self) -> None:
         # A worker that failed its apply has already restored its own bits; what the
         # engine holds afterwards is checked by the caller (the sidecar verifies it).
+        self._staged = None
         with contextlib.suppress(BulletinError):
             self.call("abort", {})
         self._engine_fps = self._rank_fps = None

@@ -49,7 +49,14 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 import numpy as np
 from numpy.typing import NDArray
 
-from bulletin.errors import BulletinError, EngineError, IncompatibleTensors, UnsupportedDtype
+from bulletin.errors import (
+    BulletinError,
+    EngineError,
+    IncompatibleTensors,
+    UnsupportedDtype,
+    VerificationFailed,
+    WrongBase,
+)
 from bulletin.sidecar.gate import ActivationGate
 from bulletin.sidecar.metrics import SidecarMetrics
 from bulletin.sidecar.requirements import VersionRequirement
@@ -263,7 +270,13 @@ class GatedTarget(WeightTarget):
         if self.in_place:
             # Targets that can check and precompute an apply by reading only do it while
             # requests still run, so that the pause below is the writes alone.
-            self.inner.prepare(patch, fingerprints)
+            try:
+                self.inner.prepare(patch, fingerprints)
+            except (WrongBase, VerificationFailed):
+                # The engine's bits are not the base the record says it holds (an engine
+                # that checks its own, as vLLM's workers do): what it serves is in doubt.
+                self.touched = True
+                raise
             self._hold()
             self.touched = True
         started = time.perf_counter()
