@@ -10,6 +10,7 @@ and its bits are compared with the trainer's.
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -112,7 +113,8 @@ def run_demo(
     """Publish ``versions`` versions, sync replicas, check them; returns the figures."""
     rng = np.random.default_rng(seed)
     store = directory / "bucket"
-    run = time.strftime("demo-%Y%m%d-%H%M%S", time.gmtime())
+    # A new run each time (two demos in one second included): the bucket keeps the old ones.
+    run = time.strftime("demo-%Y%m%d-%H%M%S", time.gmtime()) + f"-{secrets.token_hex(2)}"
     shapes = llama_layout(params)
     masters = {n: (rng.standard_normal(s, dtype=np.float32) * 0.02) for n, s in shapes.items()}
     for name, weights in masters.items():
@@ -145,7 +147,8 @@ def run_demo(
             )
     last_published = {n: cast_bits(m.view(np.uint32), "F32", "BF16") for n, m in masters.items()}
 
-    replica = directory / "replica"
+    # One replica per run: a replica folder belongs to one run, and each demo is a new run.
+    replica = directory / "replicas" / run
     mid = max(1, versions // 2)
     with Subscriber(store, run, replica) as sub:
         t0 = time.perf_counter()

@@ -198,21 +198,22 @@ def test_console_entry_point_and_env(tmp_path: Path) -> None:
 
 
 def test_demo_runs_small(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run(
-        capsys,
-        "demo",
-        "--dir",
-        str(tmp_path),
-        "--params",
-        "300000",
-        "--versions",
-        "4",
-        "--keyframe-every",
-        "2",
-        "--json",
-    )
-    assert code == 0
-    report = json.loads(out)
-    assert len(report["versions"]) == 4
-    assert report["catch_up_bytes"] < report["dense_bf16_bytes"]
-    assert np.isfinite(report["fresh_sync_seconds"])
+    for _ in range(2):  # again in the same folder: a new run with its own replica
+        code, out, _ = run(
+            capsys,
+            "demo",
+            "--dir",
+            str(tmp_path),
+            "--params",
+            "300000",
+            "--versions",
+            "4",
+            "--keyframe-every",
+            "2",
+            "--json",
+        )
+        assert code == 0
+        report = json.loads(out)
+        assert len(report["versions"]) == 4
+        assert report["catch_up_bytes"] < report["dense_bf16_bytes"]
+        assert np.isfinite(report["fresh_sync_seconds"])
