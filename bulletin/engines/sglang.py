@@ -77,7 +77,7 @@ from numpy.typing import NDArray
 from bulletin.engines.http import engine_url, request_json
 from bulletin.engines.rank_layout import RankLayout, ReplicaPlan
 from bulletin.engines.sglang_loader import LOADER, REQUEST_FORMAT, encode_requests, reply_path
-from bulletin.engines.vllm import _ERRORS, SPOOL_SHARD_BYTES, _fps_from_json, _fps_to_json, _specs_to_json
+from bulletin.engines.wire import ERRORS, SPOOL_SHARD_BYTES, fps_from_json, fps_to_json, specs_to_json
 from bulletin.errors import (
     BulletinError,
     ConfigError,
@@ -265,7 +265,7 @@ class _SGLangServer(WeightTarget):
         if not isinstance(result, dict):
             raise EngineError(f"SGLang TP rank {rank} answered {method} with {result!r:.200}")
         if result.get("ok") is not True:
-            cls = _ERRORS.get(str(result.get("code")), EngineError)
+            cls = ERRORS.get(str(result.get("code")), EngineError)
             error = cls(f"SGLang TP rank {rank}: {result.get('message')}")
             error.details = result  # type: ignore[attr-defined]
             raise error
@@ -275,7 +275,7 @@ class _SGLangServer(WeightTarget):
         """Bind every rank to ``specs`` (rebinding: a reload may have replaced parameters)
         and plan whose partials make up each tensor (``IncompatibleLayout`` if the ranks'
         pieces overlap, leave elements uncovered or are not those of ranks 0 .. tp-1)."""
-        results = self.call("bind", {"specs": _specs_to_json(specs)})
+        results = self.call("bind", {"specs": specs_to_json(specs)})
         layouts = [RankLayout.from_json(r.get("layout")) for r in results]
         for r, layout in enumerate(layouts):
             if (layout.pp_rank, layout.tp_rank, layout.tp_size) != (0, r, len(layouts)):
@@ -296,7 +296,7 @@ class _SGLangServer(WeightTarget):
         return {n: fp for n, fp in fps.items() if n not in self.dropped}
 
     def _partials(self, results: list[dict[str, Any]]) -> list[dict[str, int]]:
-        return [_fps_from_json(r.get("fingerprints")) for r in results]
+        return [fps_from_json(r.get("fingerprints")) for r in results]
 
     def _engine_fingerprints(self) -> dict[str, int]:
         """Each bound tensor's fingerprint, summed from the ranks' partial fingerprints. A
@@ -488,9 +488,7 @@ class SGLangInPlaceTarget(_SGLangServer):
                 path.write_bytes(shard)
                 paths.append(str(path.resolve()))
             # Each rank gets its own partials before and after (one per piece it holds).
-            per_rank = [
-                {"base": _fps_to_json(b), "expect": _fps_to_json(e)} for b, e in zip(base, expected, strict=True)
-            ]
+            per_rank = [{"base": fps_to_json(b), "expect": fps_to_json(e)} for b, e in zip(base, expected, strict=True)]
             self.pause()
             got = self._partials(self.call("apply", {"shards": paths}, per_rank=per_rank))
             _check_ranks(plan, got, expected, "landed on other bits than the folder")

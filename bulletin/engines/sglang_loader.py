@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from bulletin.engines.rank_layout import RankLayout
 from bulletin.engines.torch_module import TorchTarget
-from bulletin.engines.vllm import _fps_from_json, _fps_to_json, _path, _paths, _specs_from_json
+from bulletin.engines.wire import fps_from_json, fps_to_json, request_path, request_paths, specs_from_json
 from bulletin.errors import BulletinError, EngineError, InvalidInput, VerificationFailed
 from patcher.patch import TensorSpec
 
@@ -161,7 +161,7 @@ class SGLangRankState:
 
     def _bound(self, body: Mapping[str, Any], rank: int, ranks: int) -> tuple[RankLayout, TorchTarget]:
         if "specs" in body:
-            specs = _specs_from_json(body["specs"])
+            specs = specs_from_json(body["specs"])
             if (
                 self.specs != specs
                 or self.layout is None
@@ -185,21 +185,21 @@ class SGLangRankState:
         if method == "bind":
             return {"layout": layout.to_json(), "dropped": sorted(layout.dropped)}
         if method == "fingerprints":
-            return {"fingerprints": _fps_to_json(target.full_fingerprints())}
+            return {"fingerprints": fps_to_json(target.full_fingerprints())}
         if method == "load":
             from bulletin.checkpoint import Checkpoint
 
             assert self.specs is not None
-            with Checkpoint(_path(body, "path")) as ckpt:
+            with Checkpoint(request_path(body, "path")) as ckpt:
                 full = {name: ckpt.bits(name) for name in layout.pieces}
                 target.load_full(layout.local_bits(full), layout.local_specs(self.specs))
             # Read back from the live parameters: what the engine computes with.
-            return {"fingerprints": _fps_to_json(target.full_fingerprints())}
+            return {"fingerprints": fps_to_json(target.full_fingerprints())}
         if method == "apply":
             from patcher.decode import decode
 
-            patch = decode([Path(p).read_bytes() for p in _paths(body, "shards")])
-            base, expect = _fps_from_json(body.get("base")), _fps_from_json(body.get("expect"))
+            patch = decode([Path(p).read_bytes() for p in request_paths(body, "shards")])
+            base, expect = fps_from_json(body.get("base")), fps_from_json(body.get("expect"))
             # Only the changes that land on this rank's pieces, each piece checked against
             # this rank's partials before anything is written.
             local = layout.local_patch(patch, base=base, target=expect)
@@ -208,7 +208,7 @@ class SGLangRankState:
             if bad:
                 target.abort()
                 raise VerificationFailed(f"TP rank {rank} would land on other bits for {len(bad)} tensor(s): {bad[:3]}")
-            return {"fingerprints": _fps_to_json(new)}
+            return {"fingerprints": fps_to_json(new)}
         if method == "abort":
             target.abort()
             return {}

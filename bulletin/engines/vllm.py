@@ -61,10 +61,19 @@ from typing import TYPE_CHECKING, Any, Final
 import numpy as np
 from numpy.typing import NDArray
 
-from bulletin import errors
 from bulletin.engines.http import engine_url, request_json
 from bulletin.engines.rank_layout import RankLayout, ReplicaPlan
 from bulletin.engines.vllm_sparse import bind_rank
+from bulletin.engines.wire import (
+    ERRORS,
+    SPOOL_SHARD_BYTES,
+    fps_from_json,
+    fps_to_json,
+    request_path,
+    request_paths,
+    specs_from_json,
+    specs_to_json,
+)
 from bulletin.errors import (
     BulletinError,
     EngineError,
@@ -73,7 +82,7 @@ from bulletin.errors import (
     VerificationFailed,
 )
 from bulletin.target import Held, LocalDirTarget, WeightTarget
-from patcher.fingerprint import fingerprint, format_fingerprint, parse_fingerprint
+from patcher.fingerprint import fingerprint
 from patcher.patch import Patch, TensorSpec
 
 if TYPE_CHECKING:
@@ -84,49 +93,10 @@ __all__ = ["ERROR_MARK", "BulletinWorkerExtension", "VLLMTarget", "WorkerState"]
 Bits = NDArray[np.unsignedinteger]
 log = logging.getLogger("bulletin.engines.vllm")
 
-#: Largest spool shard; the decoder's own limits apply on the worker.
-SPOOL_SHARD_BYTES: Final = 64 << 20
 #: What a worker's exception message starts its JSON error with (vLLM relays the text).
 ERROR_MARK: Final = "bulletin-error "
 
 _METHODS: Final = frozenset({"bind", "fingerprints", "load", "prepare", "apply", "abort", "activate"})
-_ERRORS: Final[dict[str, type[BulletinError]]] = {
-    cls.code: cls for cls in vars(errors).values() if isinstance(cls, type) and issubclass(cls, BulletinError)
-}
-
-
-def _specs_to_json(specs: Mapping[str, TensorSpec]) -> list[dict[str, Any]]:
-    return [{"name": s.name, "dtype": s.dtype, "shape": list(s.shape)} for s in specs.values()]
-
-
-def _specs_from_json(value: object) -> dict[str, TensorSpec]:
-    if not isinstance(value, list):
-        raise InvalidInput("specs must be a list")
-    specs: dict[str, TensorSpec] = {}
-    for item in value:
-        if not isinstance(item, dict) or set(item) != {"name", "dtype", "shape"}:
-            raise InvalidInput("each spec is {name, dtype, shape}")
-        shape = item["shape"]
-        if not isinstance(shape, list) or not all(type(d) is int for d in shape):
-            raise InvalidInput(f"{item.get('name')!r}: shape must be a list of ints")
-        spec = TensorSpec(item["name"], item["dtype"], tuple(shape))
-        if spec.name in specs:
-            raise InvalidInput(f"{spec.name!r} listed twice")
-        specs[spec.name] = spec
-    return specs
-
-
-def _fps_to_json(fps: Mapping[str, int]) -> dict[str, str]:
-    return {name: format_fingerprint(fp) for name, fp in fps.items()}
-
-
-def _fps_from_json(value: object) -> dict[str, int]:
-    if not isinstance(value, dict):
-        raise InvalidInput("fingerprints must be an object")
-    try:
-        return {str(k): parse_fingerprint(v) for k, v in value.items()}
-    except (ValueError, TypeError) as exc:
-        raise InvalidInput(f"bad fingerprint: {exc}") from None
 
 
 def _differing(held: Mapping[str, int], expected: Mapping[str, int]) -> list[str]:
@@ -198,12 +168,12 @@ class WorkerState:
         per_rank = body[key]
         if not isinstance(per_rank, dict) or layout.key not in per_rank:
             raise InvalidInput(f"{key} has no entry for rank {layout.key}")
-        return _fps_from_json(per_rank[layout.key])
+        return fps_from_json(per_rank[layout.key])
 
     def _dispatch(self, method: str, body: dict[str, Any]) -> dict[str, Any]:
         if method not in _METHODS:
             raise InvalidInput(f"unknown method {method!r}")
-        specs = _specs_from_json(body["specs"]) if "specs" in body else None
+        specs = specs_from_json(body["specs"]) if "specs" in body else None
         layout, target = self._bound(specs)
         if method == "bind":
             return {"layout": layout.to_json(), "dropped": self.dropped}
@@ -219,16 +189,16 @@ class WorkerState:
             return {"fingerprints": {}, "rank": layout.key}
         if method == "fingerprints":
             held = self._check(target.full_fingerprints(), expect, FingerprintMismatch, layout)
-            return {"fingerprints": _fps_to_json(held), "rank": layout.key}
+            return {"fingerprints": fps_to_json(held), "rank": layout.key}
         if method == "load":
             from bulletin.checkpoint import Checkpoint
 
-            with Checkpoint(_path(body, "path")) as ckpt:
+            with Checkpoint(request_path(body, "path")) as ckpt:
                 pieces = layout.local_bits({name: ckpt.bits(name) for name in layout.pieces})
                 target.load_full(pieces, target.layout() or {})
             # Read back from the live parameters: what the engine computes with.
             held = self._check(target.full_fingerprints(), expect, VerificationFailed, layout)
-            return {"fingerprints": _fps_to_json(held), "rank": layout.key}
+            return {"fingerprints": fps_to_json(held), "rank": layout.key}
         if method in ("prepare", "apply"):
             staged, self._staged = self._staged, None
             if method == "apply" and body.get("prepared") is True:
@@ -246,7 +216,7 @@ class WorkerState:
             # Refused before any write unless the bits read land on this rank's targets.
             fps = {**base, **target.apply(local, {n: base[n] for n in local.tensors})}
             return {
-                "fingerprints": _fps_to_json(self._check(fps, expect, VerificationFailed, layout)),
+                "fingerprints": fps_to_json(self._check(fps, expect, VerificationFailed, layout)),
                 "rank": layout.key,
             }
         self._staged = None
@@ -262,7 +232,7 @@ class WorkerState:
         base = self._mine(body, "fingerprints", layout)
         if base is None or expect is None:
             raise InvalidInput("apply needs each rank's fingerprints and expect")
-        shards = [Path(p).read_bytes() for p in _paths(body, "shards")]
+        shards = [Path(p).read_bytes() for p in request_paths(body, "shards")]
         return layout.local_patch(decode(shards), base, expect), base, expect
 
     @staticmethod
@@ -275,26 +245,12 @@ class WorkerState:
         if bad:
             exc = kind(f"rank {layout.key} holds other bits than expected for {len(bad)} tensor(s): {bad[:3]}")
             exc.details = {  # type: ignore[attr-defined]
-                "fingerprints": _fps_to_json({n: held[n] for n in bad if n in held}),
+                "fingerprints": fps_to_json({n: held[n] for n in bad if n in held}),
                 "mismatched": bad,
                 "rank": layout.key,
             }
             raise exc
         return held
-
-
-def _path(body: Mapping[str, Any], key: str) -> Path:
-    value = body.get(key)
-    if not isinstance(value, str) or not value:
-        raise InvalidInput(f"{key} must be a path")
-    return Path(value)
-
-
-def _paths(body: Mapping[str, Any], key: str) -> list[Path]:
-    value = body.get(key)
-    if not isinstance(value, list) or not value or not all(isinstance(v, str) and v for v in value):
-        raise InvalidInput(f"{key} must be a non-empty list of paths")
-    return [Path(v) for v in value]
 
 
 class BulletinWorkerExtension:
@@ -431,7 +387,7 @@ class VLLMTarget(WeightTarget):
         message = _message(body)
         found = _worker_error(message)
         if found is not None:
-            cls = _ERRORS.get(str(found.get("code")), EngineError)
+            cls = ERRORS.get(str(found.get("code")), EngineError)
             exc = cls(f"vLLM worker: {found.get('message')}")
             exc.details = found  # type: ignore[attr-defined]
             return exc
@@ -514,7 +470,7 @@ class VLLMTarget(WeightTarget):
         # Workers rebind only when the layout changes; send it only then.
         if self._bound_specs == dict(specs):
             return {}
-        return {"specs": _specs_to_json(specs)}
+        return {"specs": specs_to_json(specs)}
 
     def _bind(self, specs: Mapping[str, TensorSpec]) -> ReplicaPlan:
         if self._bound_specs != dict(specs) or self.plan is None:
@@ -523,7 +479,7 @@ class VLLMTarget(WeightTarget):
             was_paused = self._paused
             self.pause()
             try:
-                results = self.call("bind", {"specs": _specs_to_json(specs)})
+                results = self.call("bind", {"specs": specs_to_json(specs)})
             finally:
                 if not was_paused:
                     self.resume()
@@ -548,7 +504,7 @@ class VLLMTarget(WeightTarget):
 
     def _per_rank(self, plan: ReplicaPlan, fps: Sequence[Mapping[str, int]]) -> dict[str, dict[str, str]]:
         """One value per rank, keyed as workers look themselves up (``RankLayout.key``)."""
-        return {layout.key: _fps_to_json(f) for layout, f in zip(plan.layouts, fps, strict=True)}
+        return {layout.key: fps_to_json(f) for layout, f in zip(plan.layouts, fps, strict=True)}
 
     def _expected(self, plan: ReplicaPlan, fps: Mapping[str, int]) -> list[dict[str, int]]:
         """Each rank's partials of the folder's bits, which must sum to ``fps`` (the
@@ -572,7 +528,7 @@ class VLLMTarget(WeightTarget):
                 raise EngineError(f"vLLM worker answered for rank {key!r}, not one of {sorted(by_key)}")
             for i, layout in enumerate(plan.layouts):
                 if layout.key == key:
-                    partials[i] = _fps_from_json(result.get("fingerprints"))
+                    partials[i] = fps_from_json(result.get("fingerprints"))
         return plan.combine(partials)
 
     def _fingerprints(self, specs: Mapping[str, TensorSpec], expect: Mapping[str, int] | None) -> dict[str, int]:
@@ -594,7 +550,7 @@ class VLLMTarget(WeightTarget):
             found, key = details.get("fingerprints"), details.get("rank")
             if expect is None or ranks is None or not isinstance(found, dict) or not isinstance(key, str):
                 raise
-            return {**self._served(expect), **plan.with_rank(ranks, key, _fps_from_json(found))}
+            return {**self._served(expect), **plan.with_rank(ranks, key, fps_from_json(found))}
         return self._gather(plan, results)
 
     # -- WeightTarget ----------------------------------------------------------------------

@@ -13,7 +13,8 @@ import torch
 from transformers import LlamaForCausalLM
 
 from bulletin.engines.rank_layout import RankLayout, ReplicaPlan
-from bulletin.engines.vllm import VLLMTarget, WorkerState, _specs_from_json
+from bulletin.engines.vllm import VLLMTarget, WorkerState
+from bulletin.engines.wire import specs_from_json
 from bulletin.errors import EngineError, IncompatibleTensors, InvalidInput, VerificationFailed, WrongBase
 from bulletin.publisher import Publisher
 from bulletin.snapshot import snapshot
@@ -176,7 +177,7 @@ def test_worker_errors_come_back_as_codes_not_exceptions(trainer: LlamaForCausal
     out = state.handle("bind", json.dumps({"specs": bad}))
     assert out["ok"] is True and out["layout"]["absent"] == [bad[0]["name"]]
     with pytest.raises(IncompatibleTensors, match="held by no rank"):
-        ReplicaPlan([RankLayout.from_json(out["layout"])], _specs_from_json(bad))
+        ReplicaPlan([RankLayout.from_json(out["layout"])], specs_from_json(bad))
     assert state.handle("nonsense", json.dumps({"specs": []}))["code"] == "invalid_input"
 
 
