@@ -2,7 +2,7 @@
 """Benchmark of large-object transfers: Bulletin's streamed store methods against boto3 and ``cp``.
 
     .venv/bin/python scripts/bench_transfer.py --endpoint http://127.0.0.1:4566     # 64 and 512 MiB
-    .venv/bin/python scripts/bench_transfer.py --endpoint URL --sizes 64,512,2048 --repeat 2
+    .venv/bin/python scripts/bench_transfer.py --endpoint URL --sizes 64,512,2048 --repeat 5
 
 For each file size (MiB of random bytes, written once), in the same run:
 
@@ -15,8 +15,17 @@ For each file size (MiB of random bytes, written once), in the same run:
 
 Each transfer runs in a fresh process, so that its peak RSS (``VmHWM``) is its own; the
 figure printed is the peak above the process's RSS once its imports are done. Times are
-wall clock of the call alone. Ratios are baseline time / Bulletin time: above 1.0 means
-Bulletin is faster. Every download is compared with the source's SHA-256.
+wall clock of the call alone. The transfers take turns: each of ``--repeat`` rounds runs
+every one of them once, so load from other jobs falls on all alike; the best and the
+median of the rounds are printed. Ratios are baseline time / Bulletin time (best to best,
+median to median): above 1.0 means Bulletin is faster. Every download is compared with the
+source's SHA-256.
+
+HTTPS: LocalStack serves it on the same port with a self-signed certificate issued to
+``localhost``; trust it for both clients with ``AWS_CA_BUNDLE``:
+
+    AWS_CA_BUNDLE=$LOCALSTACK_RUN_DIR/data/var/lib/localstack/cache/server.test.pem.crt \
+        .venv/bin/python scripts/bench_transfer.py --endpoint https://localhost:4566
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ import argparse
 import hashlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -109,28 +119,41 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _best(op: str, keys: list[str], dst: Path | None, digest: str, common: dict[str, str]) -> dict[str, float]:
-    """The fastest of one run per key (downloads are checked against ``digest``)."""
-    runs = []
-    for key in keys:
-        runs.append(_run(op, key=key, dst=str(dst if dst is not None else "unused"), **common))
-        if dst is not None:
-            assert _sha256(dst) == digest, f"{op}: wrong bytes"
-            dst.unlink()
-    return min(runs, key=lambda r: r["seconds"])
+def _rounds(
+    ops: list[tuple[str, str, str, bool]], repeat: int, dst: Path, digest: str, common: dict[str, str]
+) -> dict[str, list[dict[str, float]]]:
+    """Every op of ``ops`` (name, child op, key pattern with ``{n}`` for the round, whether it
+    writes ``dst``) once per round, in turn, ``repeat`` rounds: a burst of load from other
+    jobs on the machine then falls on every transfer alike, not on one method's runs."""
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name, *_ in ops}
+    for n in range(repeat):
+        for name, op, key, writes in ops:
+            runs[name].append(_run(op, key=key.format(n=n), dst=str(dst if writes else "unused"), **common))
+            if writes:
+                assert _sha256(dst) == digest, f"{op}: wrong bytes"
+                dst.unlink()
+    return runs
 
 
-def _row(name: str, size_mib: int, result: dict[str, float], base: dict[str, float] | None) -> str:
-    speed = size_mib / result["seconds"]
-    ratio = "" if base is None else f"{base['seconds'] / result['seconds']:8.2f}x"
-    return f"  {name:<34} {result['seconds']:8.2f} s {speed:9.1f} MiB/s {result['peak_mib']:9.1f} MiB {ratio}"
+def _row(name: str, size_mib: int, runs: list[dict[str, float]], base: list[dict[str, float]] | None) -> str:
+    """Best and median of the runs; the ratios are the baseline's over these (best to best,
+    median to median); peak RSS is the largest of the runs."""
+    best = min(r["seconds"] for r in runs)
+    median = statistics.median(r["seconds"] for r in runs)
+    peak = max(r["peak_mib"] for r in runs)
+    ratio = ""
+    if base is not None:
+        base_best = min(r["seconds"] for r in base)
+        base_median = statistics.median(r["seconds"] for r in base)
+        ratio = f"{base_best / best:6.2f}x {base_median / median:6.2f}x"
+    return f"  {name:<38} {best:7.2f} s {median:7.2f} s {size_mib / best:8.1f} MiB/s {peak:7.1f} MiB  {ratio}"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--endpoint", default=os.environ.get("BULLETIN_TEST_S3_ENDPOINT"))
     parser.add_argument("--sizes", default="64,512", help="file sizes in MiB, comma-separated")
-    parser.add_argument("--repeat", type=int, default=1, help="runs of each transfer; the fastest counts")
+    parser.add_argument("--repeat", type=int, default=1, help="rounds; each runs every transfer once, in turn")
     parser.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
     parser.add_argument("--child", dest="op", default=None, help=argparse.SUPPRESS)
     for hidden in ("src", "dst", "key", "bucket", "local-root", "sha256"):
@@ -148,39 +171,47 @@ def main() -> None:
         bucket = f"bench-transfer-{uuid.uuid4().hex[:12]}"
         if args.endpoint:
             _boto3_client(args.endpoint).create_bucket(Bucket=bucket)
-        print(f"{'transfer':<36} {'time':>10} {'speed':>15} {'peak RSS':>13} {'baseline/bulletin':>9}")
+        print(f"load average at start: {os.getloadavg()[0]:.2f} (2 cores here are shared with other jobs)")
+        print(
+            f"{'transfer':<40} {'best':>9} {'median':>9} {'speed (best)':>14} {'peak RSS':>11}"
+            f"  {'baseline/bulletin (best, median)'}"
+        )
         for size in sizes:
             src = root / f"src-{size}"
             with src.open("wb") as f:
                 for _ in range(size):
                     f.write(os.urandom(MIB))
             digest = _sha256(src)
-            common = {"src": str(src), "bucket": bucket, "sha256": digest}
+            common = {"src": str(src), "bucket": bucket, "sha256": digest, "local_root": str(root / "local-store")}
             if args.endpoint:
                 common["endpoint"] = args.endpoint
-            print(f"{size} MiB")
-            runs = range(args.repeat)
+            print(f"{size} MiB, {args.repeat} rounds")
             dst = root / "dst"
-
+            ops: list[tuple[str, str, str, bool]] = []
             if args.endpoint:
-                up_b = _best("bulletin-s3-up", [f"b-{size}-{n}" for n in runs], None, digest, common)
-                up_o = _best("boto3-up", [f"o-{size}-{n}" for n in runs], None, digest, common)
-                down_b = _best("bulletin-s3-down", [f"b-{size}-0" for n in runs], dst, digest, common)
-                down_o = _best("boto3-down", [f"o-{size}-0" for n in runs], dst, digest, common)
-                down_of = _best("boto3-down-fsync", [f"o-{size}-0" for n in runs], dst, digest, common)
-                print(_row("S3 upload: boto3 upload_file", size, up_o, None))
-                print(_row("S3 upload: S3Store.put_file_if_absent", size, up_b, up_o))
-                print(_row("S3 download: boto3 download_file", size, down_o, None))
-                print(_row("S3 download: boto3 + fsync", size, down_of, None))
-                print(_row("S3 download: S3Store.get_to_file", size, down_b, down_o))
-                print(f"  {'':<34} get_to_file vs boto3 + fsync: {down_of['seconds'] / down_b['seconds']:.2f}x")
-            common["local_root"] = str(root / "local-store")
-            lup = _best("bulletin-local-up", [f"l-{size}-{n}" for n in runs], None, digest, common)
-            ldown = _best("bulletin-local-down", [f"l-{size}-0" for n in runs], dst, digest, common)
-            cp = _best("cp-fsync", ["-" for n in runs], dst, digest, common)
-            print(_row("local: cp + fsync", size, cp, None))
-            print(_row("local: LocalStore.put_file_if_absent", size, lup, cp))
-            print(_row("local: LocalStore.get_to_file", size, ldown, cp))
+                ops += [
+                    ("s3-up", "bulletin-s3-up", f"b-{size}-{{n}}", False),
+                    ("boto3-up", "boto3-up", f"o-{size}-{{n}}", False),
+                    ("s3-down", "bulletin-s3-down", f"b-{size}-0", True),
+                    ("boto3-down", "boto3-down", f"o-{size}-0", True),
+                    ("boto3-down-fsync", "boto3-down-fsync", f"o-{size}-0", True),
+                ]
+            ops += [
+                ("local-up", "bulletin-local-up", f"l-{size}-{{n}}", False),
+                ("local-down", "bulletin-local-down", f"l-{size}-0", True),
+                ("cp", "cp-fsync", "-", True),
+            ]
+            runs = _rounds(ops, args.repeat, dst, digest, common)
+            if args.endpoint:
+                print(_row("S3 upload: boto3 upload_file", size, runs["boto3-up"], None))
+                print(_row("S3 upload: S3Store.put_file_if_absent", size, runs["s3-up"], runs["boto3-up"]))
+                print(_row("S3 download: boto3 download_file", size, runs["boto3-down"], None))
+                print(_row("S3 download: boto3 + fsync", size, runs["boto3-down-fsync"], None))
+                print(_row("S3 download: S3Store.get_to_file", size, runs["s3-down"], runs["boto3-down"]))
+                print(_row("  get_to_file vs boto3 + fsync", size, runs["s3-down"], runs["boto3-down-fsync"]))
+            print(_row("local: cp + fsync", size, runs["cp"], None))
+            print(_row("local: LocalStore.put_file_if_absent", size, runs["local-up"], runs["cp"]))
+            print(_row("local: LocalStore.get_to_file", size, runs["local-down"], runs["cp"]))
             src.unlink()
 
 

@@ -51,6 +51,7 @@ __all__ = [
     "SourceFile",
     "check_path",
     "check_sha256",
+    "raise_source_failure",
     "run_window",
     "start_writeback",
 ]
@@ -253,6 +254,14 @@ class FileRange(io.RawIOBase):
         finally:
             self._pos = position
         return crc
+
+
+def raise_source_failure(body: object, exc: BaseException) -> None:
+    """Raise the local file's own error if ``exc`` ended a send of ``body`` (a
+    :class:`FileRange`) because the file failed; otherwise return."""
+    failure = body.failure if isinstance(body, FileRange) else None
+    if failure is not None:
+        raise failure from exc
 
 
 class FileSink:

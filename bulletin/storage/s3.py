@@ -65,7 +65,7 @@ from bulletin.storage.base import (
     Updated,
     WriteResult,
 )
-from bulletin.storage.files import SourceFile, check_path, check_sha256
+from bulletin.storage.files import FileRange, SourceFile, check_path, check_sha256, raise_source_failure
 from bulletin.storage.keys import (
     check_data,
     check_etag,
@@ -536,14 +536,18 @@ class S3Store(StoreBase):
 
     # -- conditional writes -----------------------------------------------------------
 
-    def _put(self, key: str, data: bytes, condition: dict[str, str]) -> WriteResult:
-        """A conditional PUT, with the lost-response rule applied to its outcome."""
+    def _put(self, key: str, body: bytes | FileRange, condition: dict[str, str]) -> WriteResult:
+        """A conditional PUT, with the lost-response rule applied to its outcome. ``body`` is
+        bytes (checked here) or a :class:`FileRange`, streamed from its file (and sent again
+        from its start by botocore's retries); a failing file raises its own error."""
         full = join_key(self._prefix, key)
-        payload = check_data(data)
+        payload = body if isinstance(body, FileRange) else check_data(body)
         context = self._where(key)
         write_id = uuid.uuid4().hex
         expected = condition.get("IfMatch")
         for attempt in range(1, self._max_attempts + 1):
+            if isinstance(payload, FileRange):
+                payload.seek(0)  # an attempt before (a 409) read it to its end
             try:
                 response = self._call(
                     context,
@@ -569,6 +573,9 @@ class S3Store(StoreBase):
                 # The retries ended in a transport error: some attempt may have
                 # been applied. Only the object itself can tell.
                 return self._settle(key, full, write_id, expected, exc)
+            except Exception as exc:
+                raise_source_failure(payload, exc)
+                raise
             return Updated(response["ETag"])
         raise StorageUnavailable(f"{context}: conditional writes kept colliding ({_CONDITIONAL_CONFLICT})")
 
@@ -614,7 +621,8 @@ class S3Store(StoreBase):
 
     def put_file_if_absent(self, key: str, path: str | os.PathLike[str]) -> WriteResult:
         """Create the object from a local file unless the key exists: one conditional PUT up
-        to the multipart threshold, a create-only multipart upload above it."""
+        to the multipart threshold, a create-only multipart upload above it; both stream the
+        file (the memory held is botocore's small reads, whatever the file's size)."""
         self._check_open()
         check_key(key)
         with SourceFile(path) as source:
@@ -622,8 +630,8 @@ class S3Store(StoreBase):
                 from bulletin.storage.s3_transfer import FileSource, upload
 
                 return upload(self, key, FileSource(source))
-            data = source.read_at(0, source.size)
-        return self._put(key, data, {"IfNoneMatch": "*"})
+            # Streamed from the page cache as botocore reads it: never the whole file in memory.
+            return self._put(key, FileRange(source, 0, source.size), {"IfNoneMatch": "*"})
 
     def get_to_file(
         self,

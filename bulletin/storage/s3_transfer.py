@@ -10,8 +10,11 @@ O(workers x 1 MiB) whatever the part size (as boto3's transfer manager).
 
 1. ``CreateMultipartUpload`` with the write id in the object's metadata (as every
    conditional PUT of :mod:`bulletin.storage.s3`) and ``ChecksumAlgorithm=CRC32``;
-2. ``UploadPart`` in parallel, each part with its ``x-amz-checksum-crc32``: a part
-   damaged in flight is refused by the server (``BadDigest``) and sent again;
+2. ``UploadPart`` in parallel, each part with its ``x-amz-checksum-crc32``, computed by
+   botocore as the part is read (``ChecksumAlgorithm``: an ``aws-chunked`` trailer over
+   HTTPS, as boto3's ``upload_file`` sends it, so a part is read once; a header over plain
+   HTTP); a part damaged in flight is refused by the server (``BadDigest``) and sent again,
+   and the completion lists the checksum each part's answer reports;
 3. ``CompleteMultipartUpload`` with ``If-None-Match: *`` (AWS S3 since 2024-11;
    LocalStack 4.13 honours it too, ``412`` for an existing key), so the object appears
    whole or not at all and exactly one writer creates it. Its outcome is settled by
@@ -57,7 +60,15 @@ from botocore.response import StreamingBody
 
 from bulletin.errors import AccessDenied, BulletinError, InvalidInput, StorageUnavailable
 from bulletin.storage.base import Downloaded, Updated, WriteResult
-from bulletin.storage.files import CHUNK, FileRange, FileSink, SourceFailed, SourceFile, run_window
+from bulletin.storage.files import (
+    CHUNK,
+    FileRange,
+    FileSink,
+    SourceFailed,
+    SourceFile,
+    raise_source_failure,
+    run_window,
+)
 from bulletin.storage.keys import join_key, too_large
 from bulletin.storage.s3 import (
     _CONDITIONAL_CONFLICT,
@@ -98,8 +109,8 @@ class Source(Protocol):
     @property
     def size(self) -> int: ...
 
-    def part(self, offset: int, length: int) -> tuple[bytes | FileRange, int]:
-        """The body of one part (sent as it is read) and its CRC-32."""
+    def part(self, offset: int, length: int) -> bytes | FileRange:
+        """The body of one part, sent as it is read."""
         ...
 
 
@@ -113,15 +124,13 @@ class BytesSource:
     def size(self) -> int:
         return len(self._data)
 
-    def part(self, offset: int, length: int) -> tuple[bytes | FileRange, int]:
-        data = self._data[offset : offset + length]
-        return data, zlib.crc32(data)
+    def part(self, offset: int, length: int) -> bytes | FileRange:
+        return self._data[offset : offset + length]
 
 
 class FileSource:
     """A local file as a :class:`Source`: each part a :class:`FileRange`, streamed from the
-    page cache by botocore (the CRC-32, the payload's SHA-256 when the endpoint is plain
-    HTTP, then the send: small reads each), so no part is ever held in memory."""
+    page cache by botocore (small reads), so no part is ever held in memory."""
 
     def __init__(self, source: SourceFile) -> None:
         self._source = source
@@ -130,12 +139,20 @@ class FileSource:
     def size(self) -> int:
         return self._source.size
 
-    def part(self, offset: int, length: int) -> tuple[bytes | FileRange, int]:
-        body = FileRange(self._source, offset, length)
+    def part(self, offset: int, length: int) -> bytes | FileRange:
+        return FileRange(self._source, offset, length)
+
+
+def _crc32(body: bytes | FileRange) -> str:
+    """A part's CRC-32 as S3 writes it (base64 of the big-endian value)."""
+    if isinstance(body, FileRange):
         try:
-            return body, body.crc32()
+            crc = body.crc32()
         except SourceFailed as exc:
             raise exc.error from exc.error.__cause__
+    else:
+        crc = zlib.crc32(body)
+    return base64.b64encode(crc.to_bytes(4, "big")).decode()
 
 
 def part_size_for(size: int, part_size: int) -> int:
@@ -202,8 +219,7 @@ def _send_parts(
     def send(index: int) -> dict[str, Any]:
         offset = index * part
         length = min(part, source.size - offset)
-        body, crc = source.part(offset, length)
-        checksum = base64.b64encode(crc.to_bytes(4, "big")).decode()
+        body = source.part(offset, length)
         where = f"{context}: part {index + 1} of {count}"
         for attempt in range(1, store._max_attempts + 1):
             if isinstance(body, FileRange):
@@ -217,7 +233,10 @@ def _send_parts(
                     PartNumber=index + 1,
                     Body=body,
                     ContentLength=length,
-                    ChecksumCRC32=checksum,
+                    # botocore computes it as it sends (a trailer over HTTPS, so the part is
+                    # read once, its payload unsigned, as boto3's upload_file; a header read
+                    # first over plain HTTP); the server checks it against what arrived.
+                    ChecksumAlgorithm="CRC32",
                 )
             except bx.ClientError as exc:
                 if _code(exc) in _DAMAGED and attempt < store._max_attempts:
@@ -226,10 +245,10 @@ def _send_parts(
                 raise store._error(exc, where) from exc
             except Exception as exc:
                 # The local file failed under botocore: its own error, not the transport's.
-                failure = body.failure if isinstance(body, FileRange) else None
-                if failure is not None:
-                    raise failure from exc
+                raise_source_failure(body, exc)
                 raise
+            # The server's checksum of what it stored (one it did not send is computed here).
+            checksum = response.get("ChecksumCRC32") or _crc32(body)
             return {"PartNumber": index + 1, "ETag": response["ETag"], "ChecksumCRC32": checksum}
         raise StorageUnavailable(f"{where}: kept arriving damaged")  # unreachable: the loop raises
 

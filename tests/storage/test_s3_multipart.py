@@ -139,19 +139,24 @@ def test_racing_multipart_writers_leave_one_whole_file_and_no_uploads(
     assert _uploads(raw, s3_bucket) == []
 
 
-def test_a_failed_part_aborts_the_upload(
-    store: S3Store, source: Path, raw: Any, s3_bucket: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _fail_reads_past(monkeypatch: pytest.MonkeyPatch, limit: int) -> None:
+    """Make every ``pread`` that reaches past ``limit`` bytes fail as a broken disk would."""
     real_pread = os.pread
-    sent: list[int] = []
-    _on(store, "UploadPart", lambda **_: sent.append(1))
 
     def failing_read(fd: int, n: int, offset: int) -> bytes:
-        if offset >= 2 * PART:
+        if offset + n > limit:
             raise OSError(errno.EIO, "Input/output error")
         return real_pread(fd, n, offset)
 
     monkeypatch.setattr(os, "pread", failing_read)
+
+
+def test_a_failed_part_aborts_the_upload(
+    store: S3Store, source: Path, raw: Any, s3_bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sent: list[int] = []
+    _on(store, "UploadPart", lambda **_: sent.append(1))
+    _fail_reads_past(monkeypatch, 2 * PART)
     with pytest.raises(LocalStorageError, match="Input/output error"):  # the disk's error, not the transport's
         store.put_file_if_absent("failed", source)
     monkeypatch.undo()
@@ -251,3 +256,83 @@ def test_parts_in_flight_are_not_held_in_memory(s3_endpoint: str, s3_bucket: str
     assert got.size == 6 * PART and (tmp_path / "out").read_bytes() == big.read_bytes()
     assert up_peak < 2 * PART, up_peak  # a part held whole per thread would be 30 MiB
     assert down_peak < 3 * PART, down_peak  # read-back buffer (one part here) + 1 MiB per thread
+
+
+def _https_endpoint(endpoint: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The test LocalStack's HTTPS side (it serves both on one port), trusted through its own
+    self-signed certificate (issued to ``localhost``); skips where that certificate is not at
+    hand (a LocalStack that ``localstack/start.sh`` did not start)."""
+    run_dir = os.environ.get("LOCALSTACK_RUN_DIR", "")
+    cert = Path(run_dir, "data", "var", "lib", "localstack", "cache", "server.test.pem.crt")
+    if not run_dir or not cert.is_file():
+        pytest.skip("LocalStack's certificate is not at hand (LOCALSTACK_RUN_DIR)")
+    monkeypatch.setenv("AWS_CA_BUNDLE", str(cert))
+    port = urlsplit(endpoint).port
+    return f"https://localhost:{port}"
+
+
+def _bytes_read() -> int:
+    """Bytes this process has read through system calls so far (``rchar``, Linux)."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise AssertionError("no rchar in /proc/self/io")
+
+
+@pytest.mark.skipif(not Path("/proc/self/io").exists(), reason="needs Linux's /proc/self/io")
+def test_over_https_each_part_is_read_once(
+    s3_endpoint: str, s3_bucket: str, source: Path, raw: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over HTTPS botocore streams each part with its CRC-32 as a trailer and no payload
+    SHA-256 (as boto3's ``upload_file``), so the file is read once: a CRC-32 computed before
+    the send and put in a header made botocore sign the payload too, three reads in all."""
+    store = _store(_https_endpoint(s3_endpoint, monkeypatch), s3_bucket)
+    try:
+        before = _bytes_read()
+        created = store.put_file_if_absent("once", source)
+        read = _bytes_read() - before
+        assert isinstance(created, Updated)
+        assert store.get("once").data == source.read_bytes()
+    finally:
+        store.close()
+    assert read < 1.5 * SIZE, f"{read} bytes read for a {SIZE}-byte file"
+    head = raw.head_object(Bucket=s3_bucket, Key="big/once", ChecksumMode="ENABLED")
+    assert head["ChecksumCRC32"].endswith("-3")  # every part's CRC-32, checked and combined by the server
+    assert _uploads(raw, s3_bucket) == []
+
+
+def test_a_file_below_the_threshold_streams_in_one_put(
+    s3_endpoint: str, s3_bucket: str, tmp_path: Path, raw: Any
+) -> None:
+    """One conditional PUT reads the file as it is sent: memory does not follow its size."""
+    small = tmp_path / "small"
+    small.write_bytes(os.urandom(4 * PART))
+    store = _store(s3_endpoint, s3_bucket, multipart_threshold=8 * PART)
+    try:
+        puts: list[int] = []
+        _on(store, "PutObject", lambda **_: puts.append(1))
+        tracemalloc.start()
+        try:
+            created = store.put_file_if_absent("small", small)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert isinstance(created, Updated) and puts == [1]
+        assert isinstance(store.put_file_if_absent("small", small), Conflicted)
+        assert store.get("small").data == small.read_bytes()
+    finally:
+        store.close()
+    assert peak < PART, peak  # the whole file in memory would be 20 MiB
+    assert _uploads(raw, s3_bucket) == []
+
+
+def test_a_file_failing_under_a_single_put_creates_nothing(
+    store: S3Store, tmp_path: Path, raw: Any, s3_bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    small = tmp_path / "small"
+    small.write_bytes(os.urandom(PART))
+    _fail_reads_past(monkeypatch, PART // 2)
+    with pytest.raises(LocalStorageError, match="Input/output error"):  # the disk's error, not the transport's
+        store.put_file_if_absent("failed", small)
+    monkeypatch.undo()
+    assert "Contents" not in raw.list_objects_v2(Bucket=s3_bucket)
