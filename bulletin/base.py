@@ -64,6 +64,7 @@ from bulletin.run import Run, StoredManifest
 from bulletin.sync import plan
 from bulletin.target import Held
 from patcher.apply import apply
+from patcher.context_diff import diff_ranked
 from patcher.decode import decode
 from patcher.diff import diff
 from patcher.fingerprint import fingerprint, format_fingerprint, parse_fingerprint
@@ -339,11 +340,13 @@ class PublishedBase:
         """Every tensor's committed bits, read-only views (the context codec's base)."""
         return {name: self.bits(name) for name in self.specs}
 
-    def diff(self, name: str, bits: NDArray[Any]) -> TensorDelta:
+    def diff(self, name: str, bits: NDArray[Any], *, ranked: bool = False) -> TensorDelta:
         """The change from the committed bits of ``name`` to ``bits`` (same spec), with
-        its target fingerprint in O(changed): the codec's chunked diff of one tensor."""
+        its target fingerprint in O(changed): the codec's chunked diff of one tensor, or
+        (``ranked``, for the context codec) the diff that ranks its changes as it goes."""
         spec = self.specs[name]
-        patch = diff(
+        differ = diff_ranked if ranked else diff
+        patch = differ(
             {name: spec}, {name: self.bits(name)}, {name: bits}, base_fingerprints={name: self.fingerprints[name]}
         )
         return patch.tensors[name]

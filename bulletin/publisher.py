@@ -635,7 +635,7 @@ class Publisher:
                 continue
             bits = snap.take(name)
             if same_layout:
-                delta = base.diff(name, bits)
+                delta = base.diff(name, bits, ranked=self.codec in (AUTO_CODEC, CONTEXT_CODEC))
                 deltas[name], fps[name] = delta, delta.target_fingerprint
             else:
                 fps[name] = fingerprint(bits)

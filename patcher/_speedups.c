@@ -1309,14 +1309,26 @@ typedef struct {
     int64_t budget;
 } EncJob;
 
-/* Codes entries while they fit; returns how many did (all, or where it stopped). */
-static Py_ssize_t ctx_encode_run(const EncJob *job, Ctx *t, RcEnc *e) {
+/* Each entry's changes in class-major order (a stable counting sort of its classes):
+ * order[k] is the index-order position of the k-th change coded. */
+static void class_major(const unsigned char *classes, Py_ssize_t count, uint32_t *order) {
+    Py_ssize_t first[CTX_MAX_CLASSES + 1] = {0};
+    for (Py_ssize_t k = 0; k < count; k++) first[classes[k] + 1]++;
+    for (int c = 0; c < CTX_MAX_CLASSES; c++) first[c + 1] += first[c];
+    for (Py_ssize_t k = 0; k < count; k++) order[first[classes[k]]++] = (uint32_t)k;
+}
+
+/* Codes entries while they fit; returns how many did (all, or where it stopped).
+ * `order` holds room for the largest entry's changes. */
+static Py_ssize_t ctx_encode_run(const EncJob *job, Ctx *t, RcEnc *e, uint32_t *order) {
     Py_ssize_t at = 0, dat = 0;
     int64_t spent = 0;
     for (Py_ssize_t i = 0; i < job->entries; i++) {
         const int64_t *m = job->meta + i * META_FIELDS;
         const Py_ssize_t count = (Py_ssize_t)m[M_COUNT];
         const int classes = (int)m[M_CLASSES], width = (int)m[M_WIDTH], last = classes - 1;
+        const unsigned char *cls = job->classes + at, *ranks = job->ranks + 8 * at, *deltas = job->deltas + dat;
+        class_major(cls, count, order);
         uint64_t s = 2, n = 1;
         Py_ssize_t pos = 0;
         for (int c = 0; c < classes && pos < count; c++) {
@@ -1324,16 +1336,17 @@ static Py_ssize_t ctx_encode_run(const EncJob *job, Ctx *t, RcEnc *e) {
             int64_t prev = -1;
             int first = 1;
             while (pos < count) {
-                const int here = job->classes[at + pos] == c;
+                const Py_ssize_t k = order[pos];
+                const int here = cls[k] == c;
                 if (c < last) rc_bit(e, &t[CTX_MORE + 2 * c + first], here);
                 if (!here) break;
-                const int64_t rank = load_i64(job->ranks + 8 * (at + pos));
+                const int64_t rank = load_i64(ranks + 8 * k);
                 const uint64_t g = (uint64_t)(rank - prev);
-                int k, fr;
-                gap_rate(s, n, &k, &fr);
-                enc_gap(e, t, g, k, fr);
+                int kk, fr;
+                gap_rate(s, n, &kk, &fr);
+                enc_gap(e, t, g, kk, fr);
                 gap_next(&s, &n, g);
-                enc_delta(e, row, sign_extend(load(job->deltas + dat + pos * width, width), width), width);
+                enc_delta(e, row, sign_extend(load(deltas + k * width, width), width), width);
                 prev = rank;
                 first = 0;
                 pos++;
@@ -1352,8 +1365,9 @@ PyDoc_STRVAR(ctx_encode_doc,
              "ctx_encode(meta, classes, ranks, deltas, budget) -> (fit, bytes or None)\n\n"
              "Range-code entries as patcher.context_encode.code_entries does: meta holds 7 int64 per\n"
              "entry (count, lo, classes, dtype table, width, exponent bits, header cost); classes\n"
-             "(uint8), ranks (int64) and deltas (each entry's width) are every entry's changes,\n"
-             "class-major, one after the other. Stops after the first entry whose stream bound plus\n"
+             "(uint8, each below its entry's), ranks (int64) and deltas (each entry's width) are\n"
+             "every entry's changes in index order, one entry after the other (coded class-major,\n"
+             "as a stable sort by class orders them). Stops after the first entry whose stream bound plus\n"
              "the running cost exceeds budget, returning how many entries fit and None.");
 
 static int check_meta(const Py_buffer *meta, Py_ssize_t *entries, Py_ssize_t *changes, Py_ssize_t *delta_bytes) {
@@ -1392,17 +1406,38 @@ static PyObject *py_ctx_encode(PyObject *self, PyObject *args) {
     {
         EncJob job = {b[0].buf, entries, b[1].buf, b[2].buf, b[3].buf, budget};
         RcEnc e = {0, 1, 0xFFFFFFFFU, 0, NULL, 0, 0, 0};
+        Py_ssize_t most = 1;
+        const unsigned char *cls = b[1].buf;
+        for (Py_ssize_t i = 0, at = 0; i < entries; i++) {
+            const int64_t *m = (const int64_t *)b[0].buf + i * META_FIELDS;
+            for (Py_ssize_t k = at; k < at + (Py_ssize_t)m[M_COUNT]; k++) {
+                if (cls[k] >= m[M_CLASSES]) {
+                    PyErr_SetString(PyExc_ValueError, "classes: a change's class is not below its entry's");
+                    goto done;
+                }
+            }
+            at += (Py_ssize_t)m[M_COUNT];
+            if (m[M_COUNT] > most) most = (Py_ssize_t)m[M_COUNT];
+        }
+        if (most > UINT32_MAX) {
+            PyErr_SetString(PyExc_ValueError, "meta: an entry holds more than 2**32 - 1 changes");
+            goto done;
+        }
         Ctx *t = ctx_table();
-        if (t == NULL) {
+        uint32_t *order = malloc(sizeof(uint32_t) * (size_t)most);
+        if (t == NULL || order == NULL) {
+            free(t);
+            free(order);
             PyErr_NoMemory();
             goto done;
         }
         Py_ssize_t fit;
         Py_BEGIN_ALLOW_THREADS;
-        fit = ctx_encode_run(&job, t, &e);
+        fit = ctx_encode_run(&job, t, &e, order);
         if (fit == entries)
             for (int i = 0; i < 5; i++) rc_shift_low(&e);
         Py_END_ALLOW_THREADS;
+        free(order);
         free(t);
         if (e.oom) {
             PyErr_NoMemory();
@@ -1568,6 +1603,32 @@ HOT void ranks_loop(int W, const Classes *k, const unsigned char *base, int64_t 
     }
 }
 
+/* ctx_diff element by element (any width): diff_scan's changes, each with its class and
+ * rank (the members of its class in [0, index), `totals` holding those in [0, pos) and
+ * coming out as those in [0, where it stopped)), the exponents of their old bits counted
+ * in `changed`. Stops at the change the outputs cannot hold. */
+HOT DiffResult ctx_diff_loop(int W, const Classes *k, const unsigned char *a, const unsigned char *c, Py_ssize_t n,
+                             Py_ssize_t pos, Py_ssize_t cap, uint64_t *totals, int64_t *changed, unsigned char *idx_out,
+                             unsigned char *was_out, unsigned char *delta_out, unsigned char *cls_out,
+                             int64_t *rank_out) {
+    Py_ssize_t count = 0, i = pos;
+    uint64_t fp = 0;
+    for (; i < n; i++) {
+        const uint64_t was = load(a + i * W, W), now = load(c + i * W, W), e = (was >> k->shift) & k->emask;
+        const int cl = k->cls[e];
+        if (was != now) {
+            if (count == cap) break;
+            cls_out[count] = (unsigned char)cl;
+            rank_out[count] = (int64_t)totals[cl];
+            changed[e]++;
+            record(W, i, was, now, count++, idx_out, was_out, delta_out, &fp);
+        }
+        totals[cl]++;
+    }
+    DiffResult r = {count, i, fp};
+    return r;
+}
+
 /* -- block scans (x86-64, 2-byte elements) --
  *
  * The same results as the scans above, 64 elements at a time: SSE2 computes the
@@ -1695,11 +1756,13 @@ BLOCK_TARGET static void ranks_blocks(const Classes *k, int lo, int nclasses, co
  * popcounts a block): each element's class byte looks up a one-hot nibble (vpshufb), two
  * classes a byte lane, summed vertically; every 7 blocks (before a nibble can overflow)
  * the nibbles go into 64-bit sums (vpsadbw), and a class's lanes are summed only where a
- * change asks for its rank. Full blocks only: the last, partial one (the range ends at
- * the last change) is counted element by element. */
-__attribute__((target("avx2,popcnt"))) static inline __m256i class_bytes_avx2(const unsigned char *p, __m128i count,
-                                                                            __m256i emask, __m256i vlo,
-                                                                            __m256i vtop) {
+ * change asks for its rank. Full blocks only: the last, partial one is counted element
+ * by element. The same counter serves the rank pass at given indices and the diff that
+ * ranks its changes as it finds them (ctx_diff). */
+#define AVX2 __attribute__((target("avx2,popcnt")))
+
+AVX2 static inline __m256i class_bytes_avx2(const unsigned char *p, __m128i count, __m256i emask, __m256i vlo,
+                                            __m256i vtop) {
     __m256i a = _mm256_loadu_si256((const __m256i *)p);
     __m256i b = _mm256_loadu_si256((const __m256i *)(p + 32));
     a = _mm256_and_si256(_mm256_srl_epi16(a, count), emask);
@@ -1708,87 +1771,113 @@ __attribute__((target("avx2,popcnt"))) static inline __m256i class_bytes_avx2(co
     return _mm256_min_epu8(_mm256_subs_epu8(e, vlo), vtop);
 }
 
-__attribute__((target("avx2,popcnt"))) static inline uint64_t lanes_sum_avx2(__m256i v) {
+AVX2 static inline uint64_t lanes_sum_avx2(__m256i v) {
     const __m256i s = _mm256_sad_epu8(v, _mm256_setzero_si256());
     const __m128i t = _mm_add_epi64(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
     return (uint64_t)_mm_cvtsi128_si64(_mm_add_epi64(t, _mm_unpackhi_epi64(t, t)));
 }
 
-__attribute__((target("avx2,popcnt"))) static void ranks_avx2(const Classes *k, int lo, int nclasses,
-                                                              const unsigned char *base, int64_t start,
-                                                              const int64_t *idx, Py_ssize_t n,
-                                                              unsigned char *cls_out, int64_t *rank_out) {
-    if (n == 0) return;
-    const int top = nclasses - 1;
-    const int64_t end = idx[n - 1] + 1;
-    const __m128i count = _mm_cvtsi32_si128(k->shift);
-    const __m256i emask = _mm256_set1_epi16((short)k->emask);
-    const __m256i vlo = _mm256_set1_epi8((char)lo), vtop = _mm256_set1_epi8((char)top);
-    const __m256i low4 = _mm256_set1_epi8(0x0F);
-    /* Classes 2g and 2g + 1 share a byte lane of nib[g], as its two nibbles: table[g]
-     * maps a class to 1, 16 or 0 (vpshufb). A lane gains at most 2 a block, so the
-     * nibbles are summed into wide (four 64-bit sums a class) every 7 blocks. */
+AVX2 static inline uint64_t wide_sum_avx2(__m256i v) {
+    const __m128i t = _mm_add_epi64(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    return (uint64_t)_mm_cvtsi128_si64(_mm_add_epi64(t, _mm_unpackhi_epi64(t, t)));
+}
+
+/* Members of each class counted a block at a time. Classes 2g and 2g + 1 share a byte
+ * lane of nib[g], as its two nibbles: table[g] maps a class to 1, 16 or 0 (vpshufb). A
+ * lane gains at most 2 a block, so the nibbles go into wide (four 64-bit sums a class)
+ * every 7 blocks. */
+typedef struct {
+    __m128i count;
+    __m256i emask, vlo, vtop, low4;
     __m256i table[CTX_MAX_CLASSES / 2], nib[CTX_MAX_CLASSES / 2], wide[CTX_MAX_CLASSES];
+    int since;
+} Counter;
+
+AVX2 static void counter_init(Counter *s, const Classes *k, int lo, int nclasses, const uint64_t *before) {
+    s->count = _mm_cvtsi32_si128(k->shift);
+    s->emask = _mm256_set1_epi16((short)k->emask);
+    s->vlo = _mm256_set1_epi8((char)lo);
+    s->vtop = _mm256_set1_epi8((char)(nclasses - 1));
+    s->low4 = _mm256_set1_epi8(0x0F);
     for (int g = 0; g < CTX_MAX_CLASSES / 2; g++) {
         unsigned char t[16] = {0};
         t[2 * g] = 1;
         t[2 * g + 1] = 16;
-        table[g] = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)t));
-        nib[g] = _mm256_setzero_si256();
+        s->table[g] = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)t));
+        s->nib[g] = _mm256_setzero_si256();
     }
-    for (int c = 0; c < CTX_MAX_CLASSES; c++) wide[c] = _mm256_setzero_si256();
-    int since = 0;
+    for (int c = 0; c < CTX_MAX_CLASSES; c++) s->wide[c] = _mm256_set_epi64x(0, 0, 0, (long long)before[c]);
+    s->since = 0;
+}
+
+/* The class of element `off` of the block whose class bytes are c0, c1 (stored in cb),
+ * and its rank: the members of its class counted so far plus those before it in the
+ * block. Call before counter_add of the block. */
+AVX2 static inline uint64_t counter_rank(const Counter *s, __m256i c0, __m256i c1, const unsigned char *cb, int off,
+                                         int *cls) {
+    const int c = cb[off];
+    const __m256i want = _mm256_set1_epi8((char)c);
+    const uint64_t m = (uint64_t)(uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(c0, want)) |
+                       (uint64_t)(uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(c1, want)) << 32;
+    const __m256i part = _mm256_and_si256(_mm256_srl_epi16(s->nib[c >> 1], _mm_cvtsi32_si128(4 * (c & 1))), s->low4);
+    *cls = c;
+    return wide_sum_avx2(_mm256_add_epi64(_mm256_sad_epu8(part, _mm256_setzero_si256()), s->wide[c])) +
+           (uint64_t)__builtin_popcountll(m & ((1ULL << off) - 1));
+}
+
+AVX2 static inline void counter_add(Counter *s, __m256i c0, __m256i c1) {
+    for (int g = 0; g < CTX_MAX_CLASSES / 2; g++)
+        s->nib[g] = _mm256_add_epi8(
+            s->nib[g], _mm256_add_epi8(_mm256_shuffle_epi8(s->table[g], c0), _mm256_shuffle_epi8(s->table[g], c1)));
+    if (++s->since == 7) {
+        for (int g = 0; g < CTX_MAX_CLASSES / 2; g++) {
+            const __m256i lo_n = _mm256_and_si256(s->nib[g], s->low4);
+            const __m256i hi_n = _mm256_and_si256(_mm256_srli_epi16(s->nib[g], 4), s->low4);
+            s->wide[2 * g] = _mm256_add_epi64(s->wide[2 * g], _mm256_sad_epu8(lo_n, _mm256_setzero_si256()));
+            s->wide[2 * g + 1] = _mm256_add_epi64(s->wide[2 * g + 1], _mm256_sad_epu8(hi_n, _mm256_setzero_si256()));
+            s->nib[g] = _mm256_setzero_si256();
+        }
+        s->since = 0;
+    }
+}
+
+/* Every class's count so far. */
+AVX2 static void counter_totals(const Counter *s, uint64_t *totals) {
+    for (int g = 0; g < CTX_MAX_CLASSES / 2; g++) {
+        totals[2 * g] = lanes_sum_avx2(_mm256_and_si256(s->nib[g], s->low4)) + wide_sum_avx2(s->wide[2 * g]);
+        totals[2 * g + 1] = lanes_sum_avx2(_mm256_and_si256(_mm256_srli_epi16(s->nib[g], 4), s->low4)) +
+                            wide_sum_avx2(s->wide[2 * g + 1]);
+    }
+}
+
+AVX2 static void ranks_avx2(const Classes *k, int lo, int nclasses, const unsigned char *base, int64_t start,
+                            const int64_t *idx, Py_ssize_t n, unsigned char *cls_out, int64_t *rank_out) {
+    if (n == 0) return;
+    static const uint64_t zero[CTX_MAX_CLASSES] = {0};
+    const int64_t end = idx[n - 1] + 1;
+    Counter s;
+    counter_init(&s, k, lo, nclasses, zero);
     Py_ssize_t j = 0;
     int64_t i = start;
     for (; i + 64 <= end; i += 64) {
         const unsigned char *p = base + 2 * i;
-        const __m256i c0 = class_bytes_avx2(p, count, emask, vlo, vtop);
-        const __m256i c1 = class_bytes_avx2(p + 64, count, emask, vlo, vtop);
+        const __m256i c0 = class_bytes_avx2(p, s.count, s.emask, s.vlo, s.vtop);
+        const __m256i c1 = class_bytes_avx2(p + 64, s.count, s.emask, s.vlo, s.vtop);
         if (idx[j] < i + 64) {
             unsigned char cb[64];
-            __m256i saved[CTX_MAX_CLASSES / 2];
             _mm256_storeu_si256((__m256i *)cb, c0);
             _mm256_storeu_si256((__m256i *)(cb + 32), c1);
-            for (int g = 0; g < CTX_MAX_CLASSES / 2; g++) _mm256_storeu_si256(&saved[g], nib[g]);
             do {
-                const int off = (int)(idx[j] - i);
-                const int c = cb[off];
-                const __m256i want = _mm256_set1_epi8((char)c);
-                const uint64_t m = (uint64_t)(uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(c0, want)) |
-                                   (uint64_t)(uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(c1, want)) << 32;
-                const __m256i v = _mm256_loadu_si256(&saved[c >> 1]);
-                const __m256i part = _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(4 * (c & 1))), low4);
-                const __m256i sums = _mm256_add_epi64(_mm256_sad_epu8(part, _mm256_setzero_si256()), wide[c]);
-                const __m128i t = _mm_add_epi64(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
+                int c;
+                rank_out[j] = (int64_t)counter_rank(&s, c0, c1, cb, (int)(idx[j] - i), &c);
                 cls_out[j] = (unsigned char)c;
-                rank_out[j] = (int64_t)((uint64_t)_mm_cvtsi128_si64(_mm_add_epi64(t, _mm_unpackhi_epi64(t, t))) +
-                                        (uint64_t)__builtin_popcountll(m & ((1ULL << off) - 1)));
             } while (++j < n && idx[j] < i + 64);
         }
-        for (int g = 0; g < CTX_MAX_CLASSES / 2; g++)
-            nib[g] = _mm256_add_epi8(
-                nib[g], _mm256_add_epi8(_mm256_shuffle_epi8(table[g], c0), _mm256_shuffle_epi8(table[g], c1)));
-        if (++since == 7) {
-            for (int g = 0; g < CTX_MAX_CLASSES / 2; g++) {
-                const __m256i lo_n = _mm256_and_si256(nib[g], low4);
-                const __m256i hi_n = _mm256_and_si256(_mm256_srli_epi16(nib[g], 4), low4);
-                wide[2 * g] = _mm256_add_epi64(wide[2 * g], _mm256_sad_epu8(lo_n, _mm256_setzero_si256()));
-                wide[2 * g + 1] = _mm256_add_epi64(wide[2 * g + 1], _mm256_sad_epu8(hi_n, _mm256_setzero_si256()));
-                nib[g] = _mm256_setzero_si256();
-            }
-            since = 0;
-        }
+        counter_add(&s, c0, c1);
     }
     if (j == n) return;
     uint64_t totals[CTX_MAX_CLASSES];
-    for (int g = 0; g < CTX_MAX_CLASSES / 2; g++) {
-        totals[2 * g] = lanes_sum_avx2(_mm256_and_si256(nib[g], low4));
-        totals[2 * g + 1] = lanes_sum_avx2(_mm256_and_si256(_mm256_srli_epi16(nib[g], 4), low4));
-    }
-    for (int c = 0; c < CTX_MAX_CLASSES; c++) {
-        const __m128i t = _mm_add_epi64(_mm256_castsi256_si128(wide[c]), _mm256_extracti128_si256(wide[c], 1));
-        totals[c] += (uint64_t)_mm_cvtsi128_si64(_mm_add_epi64(t, _mm_unpackhi_epi64(t, t)));
-    }
+    counter_totals(&s, totals);
     for (; i < end; i++) {
         const int c = k->cls[(load(base + 2 * i, 2) >> k->shift) & k->emask];
         if (i == idx[j]) {
@@ -1797,6 +1886,59 @@ __attribute__((target("avx2,popcnt"))) static void ranks_avx2(const Classes *k, 
         }
         totals[c]++;
     }
+}
+
+/* ctx_diff on 2-byte elements: diff_scan's results, each change also ranked. Stops
+ * before a block with a change when fewer than 64 outputs are left. */
+AVX2 static DiffResult ctx_diff_avx2(const Classes *k, int lo, int nclasses, const unsigned char *a,
+                                     const unsigned char *b, Py_ssize_t n, Py_ssize_t pos, Py_ssize_t cap,
+                                     uint64_t *totals, int64_t *changed_out, unsigned char *idx_out, unsigned char *was_out,
+                                     unsigned char *delta_out, unsigned char *cls_out, int64_t *rank_out) {
+    Counter s;
+    counter_init(&s, k, lo, nclasses, totals);
+    Py_ssize_t count = 0;
+    uint64_t fp = 0;
+    int64_t i = pos;
+    for (; i + 64 <= n; i += 64) {
+        const unsigned char *p = a + 2 * i, *q = b + 2 * i;
+        __m256i same[4];
+        for (int v = 0; v < 4; v++)
+            same[v] = _mm256_cmpeq_epi16(_mm256_loadu_si256((const __m256i *)(p + 32 * v)),
+                                         _mm256_loadu_si256((const __m256i *)(q + 32 * v)));
+        const __m256i c0 = class_bytes_avx2(p, s.count, s.emask, s.vlo, s.vtop);
+        const __m256i c1 = class_bytes_avx2(p + 64, s.count, s.emask, s.vlo, s.vtop);
+        const __m256i all = _mm256_and_si256(_mm256_and_si256(same[0], same[1]), _mm256_and_si256(same[2], same[3]));
+        if (!_mm256_testc_si256(all, _mm256_set1_epi8(-1))) {
+            if (cap - count < 64) break;
+            /* One bit an element, as class_bytes orders them. */
+            const __m256i s01 = _mm256_permute4x64_epi64(_mm256_packs_epi16(same[0], same[1]), 0xD8);
+            const __m256i s23 = _mm256_permute4x64_epi64(_mm256_packs_epi16(same[2], same[3]), 0xD8);
+            uint64_t changed = ~((uint64_t)(uint32_t)_mm256_movemask_epi8(s01) |
+                                 (uint64_t)(uint32_t)_mm256_movemask_epi8(s23) << 32);
+            unsigned char cb[64];
+            _mm256_storeu_si256((__m256i *)cb, c0);
+            _mm256_storeu_si256((__m256i *)(cb + 32), c1);
+            for (; changed; changed &= changed - 1) {
+                const int off = __builtin_ctzll(changed);
+                int c;
+                const uint64_t was = load(p + 2 * off, 2);
+                rank_out[count] = (int64_t)counter_rank(&s, c0, c1, cb, off, &c);
+                cls_out[count] = (unsigned char)c;
+                changed_out[(was >> k->shift) & k->emask]++;
+                record(2, i + off, was, load(q + 2 * off, 2), count++, idx_out, was_out, delta_out, &fp);
+            }
+        }
+        counter_add(&s, c0, c1);
+    }
+    counter_totals(&s, totals);
+    DiffResult r = {count, i, fp};
+    if (i + 64 > n) {
+        r = ctx_diff_loop(2, k, a, b, n, i, cap - count, totals, changed_out, idx_out + 8 * count, was_out + 2 * count,
+                          delta_out + 2 * count, cls_out + count, rank_out + count);
+        r.count += count;
+        r.fp += fp;
+    }
+    return r;
 }
 
 /* The decoder's block scan: rem[c] is how many members of class c to pass before its
@@ -1945,6 +2087,75 @@ static PyObject *py_ctx_ranks(PyObject *self, PyObject *args) {
 done:
     free(k);
     release(b, 4);
+    return result;
+}
+
+PyDoc_STRVAR(ctx_diff_doc,
+             "ctx_diff(old, new, width, shift, ebits, lo, classes, pos, totals, changed, indices_out,\n"
+             "         was_out, delta_out, classes_out, ranks_out) -> (count, next_pos, fingerprint_change)\n\n"
+             "diff() that also gives each change its class (of its old bits) and rank among the\n"
+             "elements of its class before it (patcher.context_diff). totals (uint64, 16) holds\n"
+             "each class's elements in [0, pos) and is updated to [0, next_pos); changed (int64,\n"
+             "2**ebits) gains the exponent of each change's old bits.");
+
+static PyObject *py_ctx_diff(PyObject *self, PyObject *args) {
+    Py_buffer b[9] = {{0}};
+    int width, shift, ebits, nclasses;
+    long long lo;
+    Py_ssize_t pos;
+    if (!PyArg_ParseTuple(args, "y*y*iiiLinw*w*w*w*w*w*w*", &b[0], &b[1], &width, &shift, &ebits, &lo, &nclasses,
+                          &pos, &b[2], &b[8], &b[3], &b[4], &b[5], &b[6], &b[7])) {
+        release(b, 9);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    Classes *k = NULL;
+    if (check_width(width) < 0) goto done;
+    Py_ssize_t n = items(&b[0], width, "old");
+    if (n < 0 || check_len(&b[1], n, width, "new") < 0 || check_len(&b[2], CTX_MAX_CLASSES, 8, "totals") < 0)
+        goto done;
+    if (pos < 0 || pos > n) {
+        PyErr_Format(PyExc_ValueError, "pos %zd outside [0, %zd]", pos, n);
+        goto done;
+    }
+    Py_ssize_t cap = items(&b[3], 8, "indices_out");
+    if (cap < 0 || check_len(&b[4], cap, width, "was_out") < 0 || check_len(&b[5], cap, width, "delta_out") < 0 ||
+        check_len(&b[6], cap, 1, "classes_out") < 0 || check_len(&b[7], cap, 8, "ranks_out") < 0)
+        goto done;
+    if (cap < 64) {
+        PyErr_Format(PyExc_ValueError, "outputs hold %zd elements, at least 64 needed", cap);
+        goto done;
+    }
+    k = malloc(sizeof(Classes));
+    if (k == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (classes_init(k, width, shift, ebits, lo, nclasses) < 0 ||
+        check_len(&b[8], (Py_ssize_t)1 << ebits, 8, "changed") < 0)
+        goto done;
+    {
+        uint64_t totals[CTX_MAX_CLASSES];
+        int64_t *changed = b[8].buf;
+        memcpy(totals, b[2].buf, sizeof(totals));
+        const unsigned char *a = b[0].buf, *c = b[1].buf;
+        DiffResult r;
+        Py_BEGIN_ALLOW_THREADS;
+#ifdef CTX_BLOCKS
+        if (blocks_usable(k) && __builtin_cpu_supports("avx2"))
+            r = ctx_diff_avx2(k, (int)lo, nclasses, a, c, n, pos, cap, totals, changed, b[3].buf, b[4].buf, b[5].buf,
+                              b[6].buf, b[7].buf);
+        else
+#endif
+            BY_WIDTH(width, r = ctx_diff_loop(W, k, a, c, n, pos, cap, totals, changed, b[3].buf, b[4].buf, b[5].buf,
+                                              b[6].buf, b[7].buf));
+        Py_END_ALLOW_THREADS;
+        memcpy(b[2].buf, totals, sizeof(totals));
+        result = Py_BuildValue("nnK", r.count, r.next, (unsigned long long)r.fp);
+    }
+done:
+    free(k);
+    release(b, 9);
     return result;
 }
 
@@ -2222,6 +2433,42 @@ done:
     return result;
 }
 
+/* The sample of base[start:stop] that choose_window reads: the first `run` elements of
+ * every `stride`. Adds each one's exponent to counts, and where `now` is given, that of
+ * each one whose bits differ in `now` to changed. The runs are `stride` apart, which no
+ * hardware prefetcher follows: the reads are asked for well ahead, so they overlap
+ * instead of each waiting on memory. */
+static void sample_counts(const unsigned char *base, const unsigned char *now, int width, int shift, uint64_t emask,
+                          int64_t start, int64_t stop, int64_t step, int64_t run, int64_t *counts, int64_t *changed) {
+    const int64_t ahead = 16 * step;
+    for (int64_t i = start; i < stop; i += step) {
+        if (i + ahead < stop) {
+            for (int64_t off = 0; off < run * width; off += 64) {
+                __builtin_prefetch(base + (i + ahead) * width + off);
+                if (now != NULL) __builtin_prefetch(now + (i + ahead) * width + off);
+            }
+        }
+        const int64_t end = stop - i < run ? stop : i + run;
+        for (int64_t j = i; j < end; j++) {
+            const uint64_t was = load(base + j * width, width), e = (was >> shift) & emask;
+            counts[e]++;
+            if (now != NULL) changed[e] += was != load(now + j * width, width);
+        }
+    }
+}
+
+/* The arguments both histograms check: a sample of [start, stop) and 2**ebits counts. */
+static int sample_args_ok(Py_ssize_t numel, int width, int shift, int ebits, long long start, long long stop,
+                          long long step, long long run, const Py_buffer *counts, const Py_buffer *changed) {
+    if (ebits < 1 || ebits > 11 || shift < 0 || shift + ebits > 8 * width || start < 0 || stop < start ||
+        stop > numel || step < 1 || run < 1 || run > step || check_len(counts, 1 << ebits, 8, "counts_out") < 0 ||
+        check_len(changed, 1 << ebits, 8, "changed_out") < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "histogram arguments out of range");
+        return 0;
+    }
+    return 1;
+}
+
 PyDoc_STRVAR(ctx_histogram_doc,
              "ctx_histogram(base, width, shift, ebits, start, stop, stride, run, counts_out, indices,\n"
              "              changed_out)\n\n"
@@ -2242,12 +2489,7 @@ static PyObject *py_ctx_histogram(PyObject *self, PyObject *args) {
     Py_ssize_t numel, n;
     if (check_width(width) < 0 || (numel = items(&b[0], width, "base")) < 0 || (n = items(&b[2], 8, "indices")) < 0)
         goto done;
-    if (ebits < 1 || ebits > 11 || shift < 0 || shift + ebits > 8 * width || start < 0 || stop < start ||
-        stop > numel || step < 1 || run < 1 || run > step || check_len(&b[1], 1 << ebits, 8, "counts_out") < 0 ||
-        check_len(&b[3], 1 << ebits, 8, "changed_out") < 0) {
-        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "histogram arguments out of range");
-        goto done;
-    }
+    if (!sample_args_ok(numel, width, shift, ebits, start, stop, step, run, &b[1], &b[3])) goto done;
     {
         const unsigned char *base = b[0].buf;
         const int64_t *idx = b[2].buf;
@@ -2260,18 +2502,8 @@ static PyObject *py_ctx_histogram(PyObject *self, PyObject *args) {
             }
         }
         Py_BEGIN_ALLOW_THREADS;
-        /* Both reads are sparse (runs 'stride' apart, changes hundreds of elements apart),
-         * which no hardware prefetcher follows: ask for the reads well ahead, so they
-         * overlap instead of each waiting on memory. */
-        const int64_t ahead = 16 * step;
-        for (int64_t i = start; i < stop; i += step) {
-            if (i + ahead < stop) {
-                const unsigned char *q = base + (i + ahead) * width;
-                for (int64_t off = 0; off < run * width; off += 64) __builtin_prefetch(q + off);
-            }
-            const int64_t end = stop - i < run ? stop : i + run;
-            for (int64_t j = i; j < end; j++) counts[(load(base + j * width, width) >> shift) & emask]++;
-        }
+        sample_counts(base, NULL, width, shift, emask, start, stop, step, run, counts, NULL);
+        /* Changes are hundreds of elements apart: ask for their reads ahead too. */
         enum { AHEAD = 32 };
         for (Py_ssize_t j = 0; j < n; j++) {
             if (j + AHEAD < n) __builtin_prefetch(base + idx[j + AHEAD] * width);
@@ -2280,6 +2512,34 @@ static PyObject *py_ctx_histogram(PyObject *self, PyObject *args) {
         Py_END_ALLOW_THREADS;
         result = Py_NewRef(Py_None);
     }
+done:
+    release(b, 4);
+    return result;
+}
+
+PyDoc_STRVAR(ctx_sample_doc,
+             "ctx_sample(base, new, width, shift, ebits, start, stop, stride, run, counts_out, changed_out)\n\n"
+             "ctx_histogram's sample of base[start:stop] into counts_out, and the exponents of the\n"
+             "sampled elements whose bits differ in new (same length) into changed_out.");
+
+static PyObject *py_ctx_sample(PyObject *self, PyObject *args) {
+    Py_buffer b[4] = {{0}};
+    int width, shift, ebits;
+    long long start, stop, step, run;
+    if (!PyArg_ParseTuple(args, "y*y*iiiLLLLw*w*", &b[0], &b[1], &width, &shift, &ebits, &start, &stop, &step, &run,
+                          &b[2], &b[3])) {
+        release(b, 4);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    Py_ssize_t numel;
+    if (check_width(width) < 0 || (numel = items(&b[0], width, "base")) < 0 || check_len(&b[1], numel, width, "new") < 0)
+        goto done;
+    if (!sample_args_ok(numel, width, shift, ebits, start, stop, step, run, &b[2], &b[3])) goto done;
+    Py_BEGIN_ALLOW_THREADS;
+    sample_counts(b[0].buf, b[1].buf, width, shift, (1ULL << ebits) - 1, start, stop, step, run, b[2].buf, b[3].buf);
+    Py_END_ALLOW_THREADS;
+    result = Py_NewRef(Py_None);
 done:
     release(b, 4);
     return result;
@@ -2305,6 +2565,8 @@ static PyMethodDef methods[] = {
     {"ctx_select", py_ctx_select, METH_VARARGS, ctx_select_doc},
     {"ctx_apply", py_ctx_apply, METH_VARARGS, ctx_apply_doc},
     {"ctx_histogram", py_ctx_histogram, METH_VARARGS, ctx_histogram_doc},
+    {"ctx_diff", py_ctx_diff, METH_VARARGS, ctx_diff_doc},
+    {"ctx_sample", py_ctx_sample, METH_VARARGS, ctx_sample_doc},
     {NULL, NULL, 0, NULL},
 };
 

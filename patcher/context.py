@@ -45,7 +45,10 @@ __all__ = [
     "element_classes",
     "exponent_width",
     "exponents",
+    "sampled_histograms",
     "select_ranks",
+    "window_bits",
+    "window_of",
 ]
 
 #: dtype -> (shift, width) of its exponent field in the bits. Dtypes not listed (integers,
@@ -278,29 +281,74 @@ def choose_window(
     (not normative: any valid window decodes). Of the windows of at most 16 classes,
     the one whose classes give the changed/unchanged pattern the least empirical
     entropy (``sum n * h(k / n)`` over classes), from exponent histograms of the range
-    and of the changes."""
+    (a sample, :func:`sampled_histograms`) and of the changes."""
     width = exponent_width(dtype)
     if width == 0 or indices.size == 0:
         return ClassWindow(0, 1)
     flat = base.reshape(-1)
-    size = 1 << width
-    # A sample estimates the range's histogram: the choice needs proportions, not
-    # counts, and this keeps it off the encoder's O(model) budget.
-    members = np.zeros(size, dtype=_I64)
-    changed = np.zeros(size, dtype=_I64)
+    members = np.zeros(1 << width, dtype=_I64)
+    changed = np.zeros(1 << width, dtype=_I64)
     if native.active() and flat.flags.c_contiguous:
         shift, _ = EXPONENT_FIELDS[dtype]
         native.speedups.ctx_histogram(
             flat, flat.dtype.itemsize, shift, width, start, stop, WINDOW_STRIDE, WINDOW_RUN, members, indices, changed
         )
     else:
-        for lo in range(start, stop, CHUNK):
-            chunk = flat[lo : min(lo + CHUNK, stop)]
-            runs = [chunk[k : k + WINDOW_RUN] for k in range(0, chunk.size, WINDOW_STRIDE)]
-            members += np.bincount(exponents(np.concatenate(runs), dtype), minlength=size)
-        changed += np.bincount(exponents(flat[indices], dtype), minlength=size)
-    members *= WINDOW_STRIDE // WINDOW_RUN
-    members = np.maximum(members, changed)
+        members += sampled_histograms(flat, dtype, start, stop)[0]
+        changed += np.bincount(exponents(flat[indices], dtype), minlength=1 << width)
+    return window_of(members, changed)
+
+
+def sampled_histograms(
+    flat: NDArray[np.unsignedinteger],
+    dtype: str,
+    start: int,
+    stop: int,
+    new: NDArray[np.unsignedinteger] | None = None,
+    stride: int = WINDOW_STRIDE,
+    run: int = WINDOW_RUN,
+) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+    """The exponent histogram of ``flat[start:stop]``'s sample (the first ``run``
+    elements of every ``stride``: ``choose_window``'s at the defaults), and that of the
+    sampled elements whose bits differ in ``new`` (zeros without it); NumPy."""
+    members = np.zeros(1 << exponent_width(dtype), dtype=_I64)
+    changed = np.zeros_like(members)
+    starts = range(start, stop, stride)
+    per = max(1, CHUNK // run)  # runs gathered at a time: temporaries of CHUNK elements
+    for first in range(0, len(starts), per):
+        runs = starts[first : first + per]
+        sample = np.concatenate([flat[k : min(k + run, stop)] for k in runs])
+        e = exponents(sample, dtype)
+        members += np.bincount(e, minlength=members.size)
+        if new is not None:
+            now = np.concatenate([new[k : min(k + run, stop)] for k in runs])
+            changed += np.bincount(e[sample != now], minlength=members.size)
+    return members, changed
+
+
+def window_bits(
+    sampled: NDArray[np.int64],
+    changed: NDArray[np.int64],
+    window: ClassWindow,
+    scale: int = WINDOW_STRIDE // WINDOW_RUN,
+) -> float:
+    """What :func:`window_of` minimises, for one ``window``."""
+    members = np.maximum(sampled * scale, changed)
+    cls = np.clip(np.arange(members.size) - window.lo, 0, window.classes - 1)
+    n = np.bincount(cls, weights=members, minlength=window.classes)
+    k = np.bincount(cls, weights=changed, minlength=window.classes)
+    return float(_bernoulli_bits(n[None, :].astype(_I64), k[None, :].astype(_I64))[0])
+
+
+def window_of(
+    sampled: NDArray[np.int64], changed: NDArray[np.int64], scale: int = WINDOW_STRIDE // WINDOW_RUN
+) -> ClassWindow:
+    """``choose_window``'s pick from the range's sampled exponent histogram (one element
+    sampled in ``scale``) and that of its changes (both of 2**exponent-width counts; the
+    changes' are not all zero)."""
+    # A sample estimates the range's histogram: the choice needs proportions, not
+    # counts, and this keeps it off the encoder's O(model) budget.
+    members = np.maximum(sampled * scale, changed)
     present = np.flatnonzero(members)
     e_min, e_max = int(present[0]), int(present[-1])
     if e_max - e_min < MAX_CLASSES:

@@ -2,7 +2,8 @@
 
 Entries are cut as codec 1 cuts them (tensors in name order, at most
 ``MAX_ENTRY_CHANGED`` changes each); each gets a class window chosen from its base
-(patcher.context.choose_window) and its changes' classes and ranks. A shard's entries
+(patcher.context.choose_window) and its changes' classes and ranks, computed here or,
+for a tensor diffed by patcher.context_diff, taken from its delta. A shard's entries
 are range-coded in one stream with one model, so a shard is filled by coding entries
 until the next would overflow it (the coder reports how many fit), then coding
 exactly those; an entry that does not fit an empty shard is cut in two.
@@ -20,6 +21,7 @@ from numpy.typing import NDArray
 
 from patcher import native
 from patcher.context import ClassWindow, choose_window, class_ranks
+from patcher.context_diff import RankedDelta
 from patcher.context_model import encode_entry, entry_meta, new_encoder
 from patcher.errors import InvalidInput
 from patcher.format import (
@@ -30,6 +32,7 @@ from patcher.format import (
     frame_shard,
     tensor_document,
 )
+from patcher.patch import TensorDelta
 
 __all__ = ["CodedEntry", "code_entries", "encode_context", "entries_of"]
 
@@ -41,19 +44,23 @@ Compress = Callable[[bytes], bytes]
 
 @dataclass(frozen=True, slots=True)
 class CodedEntry:
-    """An entry and what the coder codes for it, in index order."""
+    """An entry and what the coder codes for it, in index order (the coder codes the
+    changes class-major: :meth:`class_major`)."""
 
     info: TensorInfo
     entry: ContextEntry
     #: The base bits of the whole tensor (flat), the entry's changed indices and their
-    #: deltas (index order, for cutting the entry).
+    #: deltas, classes and ranks.
     base: NDArray[np.unsignedinteger]
     indices: NDArray[np.int64]
     delta: NDArray[np.unsignedinteger]
-    #: What is coded, class-major: classes, ranks and deltas.
     classes: NDArray[np.uint8]
     ranks: NDArray[np.int64]
-    coded_delta: NDArray[np.unsignedinteger]
+
+    def class_major(self) -> tuple[NDArray[np.uint8], NDArray[np.int64], NDArray[np.unsignedinteger]]:
+        """Classes, ranks and deltas in the order they are coded: by class, stably."""
+        order = np.argsort(self.classes, kind="stable")
+        return self.classes[order], self.ranks[order], self.delta[order]
 
     @property
     def window(self) -> ClassWindow:
@@ -71,25 +78,36 @@ def _coded(
     dtype = info.spec.dtype
     window = choose_window(base, dtype, start, stop, idx)
     classes, ranks = class_ranks(base, dtype, window, start, idx)
-    entry = ContextEntry(info.spec.name, start, stop, int(idx.size), window.lo, window.classes)
-    order = np.argsort(classes, kind="stable")  # class-major, the order they are coded in
-    return CodedEntry(info, entry, base, idx, delta, classes[order], ranks[order], delta[order])
+    return _entry(info, base, start, stop, idx, delta, window, classes, ranks)
 
 
-def entries_of(
+def _entry(
     info: TensorInfo,
     base: NDArray[np.unsignedinteger],
-    indices: NDArray[np.int64],
+    start: int,
+    stop: int,
+    idx: NDArray[np.int64],
     delta: NDArray[np.unsignedinteger],
-    most: int,
-) -> list[CodedEntry]:
+    window: ClassWindow,
+    classes: NDArray[np.uint8],
+    ranks: NDArray[np.int64],
+) -> CodedEntry:
+    entry = ContextEntry(info.spec.name, start, stop, int(idx.size), window.lo, window.classes)
+    return CodedEntry(info, entry, base, idx, delta, classes, ranks)
+
+
+def entries_of(info: TensorInfo, base: NDArray[np.unsignedinteger], td: TensorDelta, most: int) -> list[CodedEntry]:
     """A tensor's entries: ``[0, numel)`` cut after every ``most`` changes (the cut falls on
-    the first change of the next entry), or one empty entry for an unchanged tensor."""
+    the first change of the next entry), or one empty entry for an unchanged tensor. A
+    :class:`RankedDelta` of one entry gives its window, classes and ranks as they are."""
     numel = info.spec.numel
+    indices, delta = td.indices, td.delta
     if indices.size == 0:
         empty = ContextEntry(info.spec.name, 0, numel, 0, 0, 1)
         none = np.empty(0, dtype=np.int64)
-        return [CodedEntry(info, empty, base, none, delta, np.empty(0, dtype=np.uint8), none, delta)]
+        return [CodedEntry(info, empty, base, none, delta, np.empty(0, dtype=np.uint8), none)]
+    if isinstance(td, RankedDelta) and indices.size <= most:
+        return [_entry(info, base, 0, numel, indices, delta, td.window, td.classes, td.ranks)]
     out, pos, start = [], 0, 0
     while pos < indices.size:
         end = min(indices.size, pos + most)
@@ -124,7 +142,7 @@ def code_entries(entries: Sequence[CodedEntry], budget: int, costs: Sequence[int
     enc = new_encoder()
     spent = 0
     for i, ce in enumerate(entries):
-        encode_entry(enc, ce.info.spec.dtype, ce.window, ce.classes, ce.ranks, ce.coded_delta)
+        encode_entry(enc, ce.info.spec.dtype, ce.window, *ce.class_major())
         spent += costs[i]
         if enc.size_bound() + spent > budget:
             return i, None
@@ -136,7 +154,7 @@ def native_code_entries(entries: Sequence[CodedEntry], budget: int, costs: Seque
     meta = entry_meta([ce.entry for ce in entries], [ce.info.spec.dtype for ce in entries], costs)
     classes = np.concatenate([ce.classes for ce in entries])
     ranks = np.concatenate([ce.ranks for ce in entries])
-    deltas = b"".join(ce.coded_delta.tobytes() for ce in entries)
+    deltas = b"".join(ce.delta.tobytes() for ce in entries)
     return native.speedups.ctx_encode(meta, classes, ranks, deltas, budget)
 
 

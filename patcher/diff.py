@@ -9,8 +9,8 @@ number of *changed* elements (a few per mille of a one-step transition).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Final
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Final, cast
 
 import numpy as np
 from numpy.typing import NDArray
@@ -21,14 +21,14 @@ from patcher.fingerprint import fingerprint
 from patcher.fingerprint_update import fingerprint_change
 from patcher.patch import Patch, TensorDelta, TensorSpec, check_names
 
-__all__ = ["CHUNK_WORDS", "checked_bits_view", "diff", "diff_bits"]
+__all__ = ["CHUNK_WORDS", "checked_bits_view", "checked_pairs", "diff", "diff_bits", "native_scan", "tensor_changes"]
 
 #: 64-bit words compared per step (1 Mi BF16 elements): the mask (256 KiB) and both
 #: input chunks stay in L2. Measured fastest among 64 Ki .. 1 Mi words.
 CHUNK_WORDS: Final = 1 << 18
 
 _MASK64: Final = (1 << 64) - 1
-_EMPTY_INDICES: Final = np.empty(0, dtype=np.int64)
+_I64: Final = np.dtype(np.int64)
 #: Outputs of the compiled diff are first sized for this share of the elements (1/256,
 #: above a one-step transition's few per mille), then grown from the density seen.
 _FIRST_CAPACITY_SHIFT: Final = 8
@@ -86,17 +86,12 @@ def _changes_in(a: NDArray[np.unsignedinteger], b: NDArray[np.unsignedinteger], 
     return local, was, delta
 
 
-def _concat(parts: list[_Changes], dtype: np.dtype[np.unsignedinteger]) -> _Changes:
+def _concat(parts: Sequence[tuple[NDArray[Any], ...]], dtypes: Sequence[np.dtype[Any]]) -> tuple[NDArray[Any], ...]:
     if not parts:
-        empty = np.empty(0, dtype=dtype)
-        return _EMPTY_INDICES, empty, empty
+        return tuple(np.empty(0, dtype=dt) for dt in dtypes)
     if len(parts) == 1:
         return parts[0]
-    return (
-        np.concatenate([p[0] for p in parts]),
-        np.concatenate([p[1] for p in parts]),
-        np.concatenate([p[2] for p in parts]),
-    )
+    return tuple(np.concatenate([p[k] for p in parts]) for k in range(len(dtypes)))
 
 
 def _changes_range(a: NDArray[np.unsignedinteger], b: NDArray[np.unsignedinteger], start: int, stop: int) -> _Changes:
@@ -135,7 +130,7 @@ def _changes_range(a: NDArray[np.unsignedinteger], b: NDArray[np.unsignedinteger
         tail = _changes_in(a[body:stop], b[body:stop], body)
         if tail is not None:
             parts.append(tail)
-    return _concat(parts, dtype)
+    return cast(_Changes, _concat(parts, (_I64, dtype, dtype)))
 
 
 def _trimmed(array: NDArray[Any], count: int) -> NDArray[Any]:
@@ -143,30 +138,47 @@ def _trimmed(array: NDArray[Any], count: int) -> NDArray[Any]:
     return array[:count] if 2 * count >= array.size else array[:count].copy()
 
 
-def _native_changes(a: NDArray[np.unsignedinteger], b: NDArray[np.unsignedinteger]) -> tuple[_Changes, int]:
-    """The compiled diff of flat ``a`` -> ``b``, and its fingerprint change."""
-    n, width, dtype = int(a.size), a.dtype.itemsize, a.dtype
-    parts: list[_Changes] = []
+#: A compiled scan: from element ``pos``, fills the outputs with changes until the end or
+#: until they are full; returns (changes written, where it stopped, fingerprint change).
+NativeScan = Callable[[int, tuple[NDArray[Any], ...]], tuple[int, int, int]]
+
+
+def native_scan(
+    n: int, dtypes: Sequence[np.dtype[Any]], scan: NativeScan, keep: Sequence[int] | None = None
+) -> tuple[tuple[NDArray[Any], ...], int]:
+    """Drive ``scan`` over ``n`` elements with outputs of ``dtypes``, sized from the
+    density seen so far: every output's (or those at the places ``keep`` names) changes
+    in order, and the fingerprint change."""
+    kept = range(len(dtypes)) if keep is None else keep
+    parts: list[tuple[NDArray[Any], ...]] = []
     pos, found, fp = 0, 0, 0
     capacity = max(_MIN_CAPACITY, n >> _FIRST_CAPACITY_SHIFT)
     while True:
-        # Never more than what is left, never less than one block (64 bytes of elements).
+        # Never more than what is left, never less than one block (64 elements).
         capacity = max(64, min(capacity, n - pos))
-        idx = np.empty(capacity, dtype=np.int64)
-        was, delta = np.empty(capacity, dtype=dtype), np.empty(capacity, dtype=dtype)
-        count, pos, change = native.speedups.diff(a, b, width, pos, idx, was, delta)
+        outputs = tuple(np.empty(capacity, dtype=dt) for dt in dtypes)
+        count, pos, change = scan(pos, outputs)
         fp += change
         found += count
         if count:
-            parts.append((_trimmed(idx, count), _trimmed(was, count), _trimmed(delta, count)))
+            parts.append(tuple(_trimmed(outputs[k], count) for k in kept))
         if pos >= n:
             break
         # The outputs filled up: size the next ones for the density seen so far.
         capacity = max(_MIN_CAPACITY, int(found / pos * (n - pos) * 1.1))
-    return _concat(parts, dtype), fp & _MASK64
+    return _concat(parts, [dtypes[k] for k in kept]), fp & _MASK64
 
 
-def _changes(
+def _native_changes(a: NDArray[np.unsignedinteger], b: NDArray[np.unsignedinteger]) -> tuple[_Changes, int]:
+    """The compiled diff of flat ``a`` -> ``b``, and its fingerprint change."""
+    width = a.dtype.itemsize
+    found, fp = native_scan(
+        int(a.size), (_I64, a.dtype, a.dtype), lambda pos, out: native.speedups.diff(a, b, width, pos, *out)
+    )
+    return cast(_Changes, found), fp
+
+
+def tensor_changes(
     old: NDArray[np.unsignedinteger], new: NDArray[np.unsignedinteger], *, fingerprinted: bool = True
 ) -> tuple[_Changes, int]:
     """Changed flat indices, old bits there, and wrapping deltas, with the fingerprint
@@ -191,7 +203,7 @@ def diff_bits(
     temporaries.
     """
     _check_pair(old, new)
-    (indices, _, delta), _ = _changes(old, new, fingerprinted=False)
+    (indices, _, delta), _ = tensor_changes(old, new, fingerprinted=False)
     return indices, delta
 
 
@@ -218,6 +230,22 @@ def diff(
     holds) to skip hashing every base tensor in full. They are trusted: a wrong base
     fingerprint yields a patch that no holder of ``old`` will accept.
     """
+    out: dict[str, TensorDelta] = {}
+    for name, a, b, base in checked_pairs(specs, old, new, base_fingerprints):
+        (indices, _, delta), change = tensor_changes(a, b)
+        out[name] = TensorDelta(specs[name], indices, delta, base, (base + change) & _MASK64)
+    return Patch(out)
+
+
+def checked_pairs(
+    specs: Mapping[str, TensorSpec],
+    old: Mapping[str, NDArray[Any]],
+    new: Mapping[str, NDArray[Any]],
+    base_fingerprints: Mapping[str, int] | None,
+) -> Iterator[tuple[str, NDArray[np.unsignedinteger], NDArray[np.unsignedinteger], int]]:
+    """:func:`diff`'s inputs, every one checked before the first is given: in name order,
+    each tensor's name, old and new bits views, and base fingerprint (hashed here when
+    ``base_fingerprints`` is None)."""
     for name, spec in specs.items():
         if not isinstance(spec, TensorSpec) or spec.name != name:
             raise InvalidInput(f"specs[{name!r}] must be the TensorSpec named {name!r}")
@@ -230,11 +258,6 @@ def diff(
         name: (checked_bits_view(old[name], spec, "old"), checked_bits_view(new[name], spec, "new"))
         for name, spec in specs.items()
     }
-    out: dict[str, TensorDelta] = {}
     for name in sorted(specs):
         a, b = pairs[name]
-        (indices, _, delta), change = _changes(a, b)
-        base = fingerprint(a) if base_fingerprints is None else base_fingerprints[name]
-        target = (base + change) & _MASK64
-        out[name] = TensorDelta(specs[name], indices, delta, base, target)
-    return Patch(out)
+        yield name, a, b, fingerprint(a) if base_fingerprints is None else base_fingerprints[name]

@@ -312,8 +312,7 @@ def encode(
             for ce in entries_of(
                 info,
                 checked_bits_view(base.get(tensor), info.spec, "base").reshape(-1),
-                patch.tensors[tensor].indices,
-                patch.tensors[tensor].delta,
+                patch.tensors[tensor],
                 MAX_ENTRY_CHANGED,
             )
         ]

@@ -14,7 +14,8 @@ Real corpora (scripts/corpora.py, laid out under /tmp/bulletin-corpora): the ser
 weights of consecutive AdamW steps (FP32 masters) of all-MiniLM-L6-v2 fine-tuning and of
 an RL-style (REINFORCE) run of a Llama-shaped decoder, at lr 1e-6 and 3e-6. For every
 one-step transition: share of elements changed; for each codec bytes per changed element
-(whole shards, and payload alone), encode throughput (diff included) and decode+apply
+(whole shards, and payload alone), encode throughput (diff included: the plain diff, or
+the context codec's own, patcher.context_diff, which ranks as it diffs) and decode+apply
 throughput (one pass from the shards onto held bits; one thread, the target's figure,
 and the default threads), in GB/s of dense BF16 model, and ratios against zstd; entropy
 bounds (scripts/entropy_bounds.py) in bytes per changed element: the i.i.d. bound (a
@@ -65,6 +66,7 @@ import entropy_bounds as eb  # noqa: E402
 from patcher import native  # noqa: E402
 from patcher.apply import default_threads  # noqa: E402
 from patcher.apply_shards import apply_shards  # noqa: E402
+from patcher.context_diff import diff_ranked  # noqa: E402
 from patcher.decode import read_shard_header  # noqa: E402
 from patcher.diff import diff  # noqa: E402
 from patcher.encode import encode  # noqa: E402
@@ -154,14 +156,26 @@ def naive_diff(old: Mapping[str, NDArray[Any]], new: Mapping[str, NDArray[Any]])
 # -- the codecs under test ----------------------------------------------------------------------
 
 
+#: A diff as a codec's encoder runs it: (specs, old, new, base fingerprints) -> patch.
+Differ = Callable[[Mapping[str, TensorSpec], Bits, Bits, dict[str, int]], Patch]
+
+
+def plain_diff(specs: Mapping[str, TensorSpec], old: Bits, new: Bits, fps: dict[str, int]) -> Patch:
+    return diff(specs, old, new, base_fingerprints=fps)
+
+
 @dataclass(frozen=True)
 class Codec:
-    """One codec as the benchmark drives it: encode a patch (with the base bits it was
-    diffed from, for a codec that uses them), and decode+apply shards onto held bits."""
+    """One codec as the benchmark drives it: diff two versions and encode the patch (with
+    the base bits it was diffed from, for a codec that uses them), and decode+apply
+    shards onto held bits. Its encode time is that of both steps."""
 
     name: str
     encode: Callable[[Patch, Bits], Shards]
     apply: Callable[[Shards, Bits, dict[str, int], int | None], object]
+    #: The encoder's own diff (patcher.context_diff for the context codec); None: the
+    #: plain diff, timed once for all the codecs that use it.
+    diff: Differ | None = None
 
 
 def todays_codecs() -> list[Codec]:
@@ -215,6 +229,7 @@ def context_codec() -> ContextCodec:
         CONTEXT_CODEC,
         lambda patch, base: encode(patch, codec=CONTEXT_CODEC, base=base),
         lambda shards, held, fps, threads: apply_shards(shards, held, fps, threads=threads),
+        lambda specs, old, new, fps: diff_ranked(specs, old, new, base_fingerprints=fps),
     )
     try:
         round_trip(codec)
@@ -231,7 +246,7 @@ def round_trip(codec: Codec) -> None:
     flat = new["w"].reshape(-1)
     flat[rng.choice(flat.size, 300, replace=False)] += np.uint16(1)
     fps = {"w": fingerprint(old["w"])}
-    patch = diff(specs_of(old), old, new, base_fingerprints=fps)
+    patch = (codec.diff or plain_diff)(specs_of(old), old, new, fps)
     held = {"w": old["w"].copy()}
     codec.apply(codec.encode(patch, old), held, fps, 1)
     if held["w"].tobytes() != new["w"].tobytes():
@@ -351,13 +366,17 @@ def specs_of(bits: Bits) -> dict[str, TensorSpec]:
 def measure_codec(
     c: Codec, old: Bits, new: Bits, patch: Patch, fps: dict[str, int], diff_s: float, repeat: int
 ) -> dict[str, Any]:
-    """Sizes and throughputs of one codec on one patch, checked bit-exact."""
+    """Sizes and throughputs of one codec on one patch (``patch`` and ``diff_s``: the
+    plain diff's, for a codec without its own), checked bit-exact."""
     model_bytes = patch.total_bytes
     changed = max(patch.changed_elements, 1)
 
     def fresh() -> Bits:
         return {n: a.copy() for n, a in old.items()}
 
+    if c.diff is not None:
+        own = c.diff
+        diff_s, patch = best(lambda: own(patch.specs, old, new, fps), repeat)
     t_enc, shards = best(lambda: c.encode(patch, old), repeat)
     t_one, _ = best_with(lambda held: c.apply(shards, held, fps, 1), fresh, repeat)
     t_all, _ = best_with(lambda held: c.apply(shards, held, fps, None), fresh, repeat)
@@ -372,6 +391,7 @@ def measure_codec(
         "payload_bytes": payload,
         "bytes_per_changed": total / changed,
         "payload_bytes_per_changed": payload / changed,
+        "diff_s": diff_s,
         "encode_s": diff_s + t_enc,
         "decode_apply_one_thread_s": t_one,
         "decode_apply_s": t_all,
@@ -558,7 +578,7 @@ def bench_share(
 
 
 def diff_and_encode(codec: Codec, specs: dict[str, TensorSpec], old: Bits, new: Bits, fps: dict[str, int]) -> Shards:
-    return codec.encode(diff(specs, old, new, base_fingerprints=fps), old)
+    return codec.encode((codec.diff or plain_diff)(specs, old, new, fps), old)
 
 
 def bench_synthetic(codecs: Sequence[Codec], args: argparse.Namespace) -> dict[str, Any]:
