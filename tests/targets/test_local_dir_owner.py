@@ -128,7 +128,10 @@ def test_a_second_opener_in_another_process_never_touches_a_live_sync(tmp_path: 
         proc.stdin.close()
         assert proc.wait(timeout=30) == 0
     print(f"{RACE_TRIALS} races in {elapsed:.1f}s; the second opener refused in {refused}")
-    assert refused == RACE_TRIALS  # it opened while the journal existed: always mid-sync
+    # It opened once it saw the journal, so mid-sync, unless the sync ended in between
+    # (the opener descheduled on a loaded machine): then it opened a finished replica,
+    # which the bits check above covers. Most trials must have hit the live sync.
+    assert refused >= RACE_TRIALS // 2, f"only {refused} of {RACE_TRIALS} opens met the live sync"
 
 
 def test_a_second_opener_in_the_same_process_is_refused_and_changes_nothing(tmp_path: Path) -> None:
