@@ -52,8 +52,9 @@ SAMPLE_RUNS: Final = 256
 #: window by at most this share (1/512: a twentieth of a per cent of a patch's bytes at
 #: most); guesses from the sample miss only by near ties, so few tensors are scanned twice.
 GUESS_SLACK: Final = 512
-#: Tensors of fewer elements are diffed plainly.
-SMALLEST: Final = 1 << 16
+#: Tensors of fewer elements are diffed plainly (the encoder ranks them): below about
+#: this size the sample and the window choice cost more than the second scan saves.
+SMALLEST: Final = 1 << 18
 _U8: Final = np.dtype(np.uint8)
 _I64: Final = np.dtype(np.int64)
 

@@ -108,9 +108,10 @@ CASES = (
     GoldenCase("mixed-lz4hc", "mixed", "lz4", level=9),
     GoldenCase("split-zstd", "split", "zstd", max_shard_bytes=900),
     GoldenCase("sparse-huge-zstd19", "sparse_huge", "zstd", level=19),
-    # The context codec (FORMAT.md 3.15): decoded against the base bits stored beside it.
-    GoldenCase("mixed-context", "mixed", "context"),
-    GoldenCase("split-context", "split", "context", max_shard_bytes=800),
+    # The context codec (FORMAT.md 3.15): decoded against the base bits stored beside it;
+    # their headers at zstd level 19 (the writer's default until it became 15).
+    GoldenCase("mixed-context", "mixed", "context", level=19),
+    GoldenCase("split-context", "split", "context", level=19, max_shard_bytes=800),
 )
 
 _PATCHES = {"mixed": _mixed, "split": _split, "sparse_huge": _sparse_huge}

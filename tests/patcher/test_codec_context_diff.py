@@ -75,14 +75,15 @@ def both_paths(specs: dict[str, TensorSpec], old: dict[str, Any], new: dict[str,
 CASES = [
     # (dtype, elements, share changed, weight scale)
     ("BF16", SMALLEST, 0.004, 0.02),
+    ("BF16", SMALLEST - 1, 0.004, 0.02),
     ("BF16", SMALLEST + 1, 0.004, 0.02),
-    ("BF16", 200_003, 0.004, 0.02),
-    ("BF16", 200_000, 0.5, 0.02),  # dense: the outputs fill and the scan resumes
+    ("BF16", 300_003, 0.004, 0.02),
+    ("BF16", 280_000, 0.5, 0.02),  # dense: the outputs fill and the scan resumes
     ("BF16", 300_000, 1.0, 1e-3),
     ("BF16", 270_000, 0.0, 0.02),
-    ("F16", 150_001, 0.01, 1.0),
-    ("F32", 140_000, 0.02, 0.02),
-    ("F64", 70_000, 0.05, 100.0),
+    ("F16", 270_001, 0.01, 1.0),
+    ("F32", 262_144, 0.02, 0.02),
+    ("F64", 263_000, 0.05, 100.0),
     ("I32", 100_000, 0.01, 1.0),
     ("BF16", 5_000, 0.01, 0.02),  # below SMALLEST: diffed plainly
 ]
@@ -166,7 +167,7 @@ def test_a_guess_the_changes_refute_is_replaced_and_ranked_again() -> None:
 
 
 def model(rng: np.random.Generator) -> tuple[dict[str, TensorSpec], dict[str, Any], dict[str, Any]]:
-    shapes = {"a.weight": (512, 384), "b.weight": (1000, 300), "norm": (384,), "ids": (70_000,)}
+    shapes = {"a.weight": (1024, 384), "b.weight": (1000, 300), "norm": (384,), "ids": (70_000,)}
     dtypes = {"a.weight": "BF16", "b.weight": "F16", "norm": "BF16", "ids": "I32"}
     specs = {k: TensorSpec(k, dtypes[k], s) for k, s in shapes.items()}
     old = {k: weights(rng, dtypes[k], int(np.prod(s)), 0.02).reshape(s) for k, s in shapes.items()}
