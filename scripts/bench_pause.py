@@ -49,6 +49,18 @@ its parameter's ``weight_loader`` with its shard id) from the whole checkpoint a
 in each rank's memory, the ranks started together by a barrier; an engine's reload is
 its slowest rank's; best of three. After the reloads the workers' fingerprints are
 checked against the version's, so the baseline loaded the same bits.
+
+Next to them, the *write floor*: as many elements as the version changed (each rank its
+share of them) written at uniformly random places of each rank's own parameters by a
+bare NumPy scatter, no Bulletin code, the ranks started together, best of three. A
+version's changes are spread so (AdamW moves the elements whose BF16 step is smallest,
+wherever they are), each on a cache line of its own, while a reload streams every
+line: ``reload / floor`` is the most any in-place pause of that many changes can reach
+on the machine, whatever its control calls cost.
+
+Two TP models by default (``--tp-preset``, repeatable): ``cpu`` (~126M parameters) and
+``large`` (~0.40B: its trainer takes ~6.4 GB); the pause grows with the changed elements
+and the reload with the model, so the larger one shows what the fixed costs weigh.
 """
 
 from __future__ import annotations
@@ -111,10 +123,17 @@ TP_PRESETS: dict[str, TpPreset] = {
     "cpu": TpPreset(
         {"vocab": 32000, "hidden": 768, "intermediate": 2048, "layers": 12, "heads": 12, "kv_heads": 4}, 1.2e-7
     ),
+    # ~0.40B parameters (0.8 GB in BF16; the trainer's FP32 weights, gradients and AdamW
+    # moments take ~6.4 GB): the fixed costs of a pause weigh less next to a reload.
+    "large": TpPreset(
+        {"vocab": 32000, "hidden": 1536, "intermediate": 4096, "layers": 12, "heads": 12, "kv_heads": 4}, 1.2e-7
+    ),
 }
 
 #: TP sizes of a bare run (when the kit is present).
 DEFAULT_TP = (1, 2, 4)
+#: TP models of a run that names none.
+DEFAULT_TP_PRESETS = ("cpu", "large")
 
 #: Full reloads timed per version; the fastest counts.
 RELOAD_REPEATS = 3
@@ -156,20 +175,27 @@ class TpResult:
     reloads_s: list[float] = field(default_factory=list)
     #: The same reload reading the checkpoint file as vLLM's loader does.
     file_reloads_s: list[float] = field(default_factory=list)
+    #: The write floor: as many elements as the version changed, written at random places
+    #: of the ranks' own parameters by a bare NumPy scatter (no Bulletin code).
+    floors_s: list[float] = field(default_factory=list)
 
     @property
     def medians(self) -> dict[str, float]:
         gate, engine = statistics.median(self.gate_pauses_s), statistics.median(self.engine_pauses_s)
         reload, changed = statistics.median(self.reloads_s), statistics.median(self.changed)
+        floor = statistics.median(self.floors_s)
         return {
             "median_gate_pause_s": gate,
             "median_engine_pause_s": engine,
             "median_reload_s": reload,
             "median_file_reload_s": statistics.median(self.file_reloads_s),
+            "median_floor_s": floor,
             "reload_over_gate_pause": reload / gate,
             "reload_over_engine_pause": reload / engine,
+            "reload_over_floor": reload / floor,
             "gate_ns_per_changed": gate / changed * 1e9,
             "engine_ns_per_changed": engine / changed * 1e9,
+            "floor_ns_per_changed": floor / changed * 1e9,
         }
 
 
@@ -342,6 +368,35 @@ def _rank_reload(state: RankState, path: str, repeats: int) -> dict[str, list[fl
     return times
 
 
+def _rank_floor(state: RankState, share: float, repeats: int, seed: int) -> list[float]:
+    """In a rank: ``repeats`` timed bare writes of ``share`` of this rank's parameter
+    elements, at uniformly random places of each parameter (a version's changes are
+    spread about so: AdamW moves the elements whose BF16 step is smallest), each started
+    with the other ranks of the engine (a barrier). The bits written are the ones held,
+    so nothing changes. A NumPy fancy-index store, as ``TorchTarget`` writes on the CPU,
+    with no Bulletin code: the floor of any in-place pause of that many changes here."""
+    import numpy as np
+    from vllm.distributed import get_tp_group
+
+    rng = np.random.default_rng(seed + state.rank)
+    writes = []
+    for param in state.models["engine"].parameters():
+        flat = param.detach().reshape(-1).view(torch.int16).numpy()  # zero-copy bits
+        count = round(share * flat.size)
+        if count:
+            where = np.unique(rng.integers(0, flat.size, count, dtype=np.int64))
+            writes.append((flat, where, flat[where]))
+    group = get_tp_group().cpu_group
+    times = []
+    for _ in range(repeats):
+        torch.distributed.barrier(group=group)
+        started = time.perf_counter()
+        for flat, where, values in writes:
+            flat[where] = values
+        times.append(time.perf_counter() - started)
+    return times
+
+
 def _timed_server(engines: list[list[Any]]) -> Any:
     """A loopback vLLM server that records how long each ``/pause`` lasted: from the
     pause answered (the engine stopped) to ``/resume`` called."""
@@ -379,6 +434,7 @@ def _measure_tp(
     checkpoints: dict[int, Path],
     work: Path,
     threads: int,
+    parameters: int,
 ) -> TpResult:
     from bulletin.engines.vllm import VLLMTarget
     from bulletin.target import LocalDirTarget
@@ -402,6 +458,8 @@ def _measure_tp(
                 # An engine's reload is its slowest rank's; of the repeats, the fastest.
                 for source, into in (("memory", result.reloads_s), ("files", result.file_reloads_s)):
                     into.append(min(max(t) for t in zip(*(r[source] for r in per_rank), strict=True)))
+                floors = cluster.run(_rank_floor, changed / parameters, RELOAD_REPEATS, version)
+                result.floors_s.append(min(max(t) for t in zip(*floors, strict=True)))
                 # Every worker must still hold the version's bits (the reload loaded the
                 # same ones): its fingerprints are checked against what it should hold.
                 target.full_fingerprints()
@@ -443,6 +501,7 @@ def bench_tp(name: str, *, tp_sizes: list[int], steps: int, lr: float | None, ki
                     checkpoints=checkpoints,
                     work=work,
                     threads=threads,
+                    parameters=params,
                 )
             )
     return result
@@ -509,18 +568,24 @@ def _print_tp(result: TpPresetResult) -> None:
     )
     header = (
         f"{'version':>8} {'changed':>12} {'share':>8} {'gate ms':>9} {'engine ms':>10} "
-        f"{'reload ms':>10} {'from file':>10}"
+        f"{'reload ms':>10} {'from file':>10} {'floor ms':>9}"
     )
     for size in result.sizes:
         print(f"-- TP {size.tp}")
         print(header)
         rows = zip(
-            size.changed, size.gate_pauses_s, size.engine_pauses_s, size.reloads_s, size.file_reloads_s, strict=True
+            size.changed,
+            size.gate_pauses_s,
+            size.engine_pauses_s,
+            size.reloads_s,
+            size.file_reloads_s,
+            size.floors_s,
+            strict=True,
         )
-        for i, (changed, gate, engine, reload, from_file) in enumerate(rows):
+        for i, (changed, gate, engine, reload, from_file, floor) in enumerate(rows):
             print(
                 f"{i + 2:>8} {changed:>12,} {changed / result.parameters:>8.2%} {gate * 1e3:>9.2f} "
-                f"{engine * 1e3:>10.2f} {reload * 1e3:>10.2f} {from_file * 1e3:>10.2f}"
+                f"{engine * 1e3:>10.2f} {reload * 1e3:>10.2f} {from_file * 1e3:>10.2f} {floor * 1e3:>9.2f}"
             )
         m = size.medians
         print(
@@ -531,6 +596,11 @@ def _print_tp(result: TpPresetResult) -> None:
             f"reload / pause {m['reload_over_gate_pause']:.2f}x (gate) / {m['reload_over_engine_pause']:.2f}x "
             f"(engine), target >= {TARGET_RATIO:g}x; {m['gate_ns_per_changed']:.1f} / "
             f"{m['engine_ns_per_changed']:.1f} ns per changed element"
+        )
+        print(
+            f"TP {size.tp}: write floor {m['median_floor_s'] * 1e3:.2f} ms ({m['floor_ns_per_changed']:.1f} ns per "
+            f"changed element: that many random elements of the ranks' parameters, a bare NumPy scatter): "
+            f"reload / floor {m['reload_over_floor']:.2f}x, the most any in-place pause reaches here"
         )
 
 
@@ -555,7 +625,12 @@ def main(argv: list[str] | None = None) -> int:
         help="TP sizes, e.g. 1,2,4 (only the TP part unless --preset is given too; "
         "a bare run does 1,2,4 when the vLLM kit is present)",
     )
-    parser.add_argument("--tp-preset", choices=sorted(TP_PRESETS), default="cpu", help="TP model (default cpu)")
+    parser.add_argument(
+        "--tp-preset",
+        choices=sorted(TP_PRESETS),
+        action="append",
+        help=f"TP model, repeatable (default: {' and '.join(DEFAULT_TP_PRESETS)})",
+    )
     parser.add_argument("--steps", type=int, default=4, help="versions after the keyframe (default 4)")
     parser.add_argument(
         "--lr", type=float, default=None, help="AdamW learning rate (default 1e-5; TP: the preset's, ~0.4%% changed)"
@@ -592,13 +667,15 @@ def main(argv: list[str] | None = None) -> int:
             result = bench_preset(name, steps=args.steps, lr=1e-5 if args.lr is None else args.lr, devices=devices)
             _print(result)
             results.append(result)
-    tp_result = None
+    tp_results: list[TpPresetResult] = []
     if tp_sizes:
         assert kit is not None
-        tp_result = bench_tp(
-            args.tp_preset, tp_sizes=tp_sizes, steps=args.steps, lr=args.lr, kit=kit, threads=args.threads or 1
-        )
-        _print_tp(tp_result)
+        for name in args.tp_preset or DEFAULT_TP_PRESETS:
+            tp_result = bench_tp(
+                name, tp_sizes=tp_sizes, steps=args.steps, lr=args.lr, kit=kit, threads=args.threads or 1
+            )
+            _print_tp(tp_result)
+            tp_results.append(tp_result)
     if args.json:
         payload: list[dict[str, Any]] = []
         for r in results:
@@ -608,11 +685,15 @@ def main(argv: list[str] | None = None) -> int:
                 raw["median_reload_s"] = dev.median_reload
             payload.append(entry)
         out: dict[str, Any] = {"torch": torch.__version__, "results": payload}
-        if tp_result is not None:
+        tp_entries = []
+        for tp_result in tp_results:
             tp_entry = asdict(tp_result)
             for size, raw in zip(tp_result.sizes, tp_entry["sizes"], strict=True):
                 raw.update(size.medians)
-            out["tp"] = tp_entry
+            tp_entries.append(tp_entry)
+        if tp_entries:
+            out["tp"] = tp_entries[0]  # the first TP model (one unless several are named)
+            out["tp_presets"] = tp_entries
         args.json.write_text(json.dumps(out, indent=2))
     return 0
 

@@ -326,7 +326,7 @@ class _Slot:
 
     ``where`` (a :class:`GlobalIndex`) makes its indices and fingerprints global ones."""
 
-    __slots__ = ("backend", "bits", "device", "flat", "spec", "tensor", "where")
+    __slots__ = ("backend", "bits", "device", "spec", "tensor", "where")
 
     def __init__(self, tensor: torch.Tensor, spec: TensorSpec, where: GlobalIndex | None = None) -> None:
         from kernels.dispatch import as_bits, backend_for
@@ -336,8 +336,6 @@ class _Slot:
         self.bits: Any = as_bits(tensor)  # NumPy view (CPU) or CuPy view (CUDA), zero-copy
         self.backend: Backend = backend_for(self.bits)
         self.device = tensor.device
-        # A flat torch view of the same memory as signed integers of the element width.
-        self.flat = tensor.reshape(-1).view(torch_dtype(_SIGNED_NAMES[spec.width]))
         # Identity coordinates need no translation: the kernels' own indices are global.
         self.where = None if where is None or where.identity else where
 
@@ -447,17 +445,6 @@ class _Slot:
         self.tensor.reshape(-1).view(torch.uint8).copy_(host)
 
 
-_SIGNED: Final[dict[int, np.dtype[Any]]] = {
-    1: np.dtype(np.int8),
-    2: np.dtype(np.int16),
-    4: np.dtype(np.int32),
-    8: np.dtype(np.int64),
-}
-#: Below this many changed elements a plain NumPy scatter beats torch's call overhead.
-_THREADED_SCATTER: Final = 1 << 14
-_SIGNED_NAMES: Final = {1: "I8", 2: "I16", 4: "I32", 8: "I64"}
-
-
 def _negate(delta: Any) -> Any:
     # (-d) mod 2**bits without overflow: d != 0 in a patch, so ~d + 1 <= the dtype's max.
     return ~delta + delta.dtype.type(1)
@@ -465,24 +452,50 @@ def _negate(delta: Any) -> Any:
 
 @dataclass(eq=False, slots=True)
 class _HostWrite:
-    """A CPU tensor's change, computed and verified before anything is written."""
+    """A change computed and verified on the host before anything is written: what
+    :meth:`TorchTarget.apply` writes is only ``new[k]`` at ``indices[k]`` of ``flat``.
+
+    Everything the write needs is made in :meth:`TorchTarget.prepare`: the flat view of
+    the live bits (NumPy over the tensor's memory, or CuPy over a CUDA tensor's), and for
+    a CUDA tensor the indices and new bits already on its device. A NumPy fancy-index
+    store is the write on the CPU: on this kind of machine it runs at the memory's pace
+    for scattered elements (each change a cache line of its own), faster than torch's
+    ``index_put_`` on one thread and as fast on two (``scripts/bench_pause.py`` prints
+    the floor it sets next to a full reload)."""
 
     slot: _Slot
     indices: NDArray[np.int64]
     old: NDArray[np.unsignedinteger]
     new: NDArray[np.unsignedinteger]
+    flat: Any
+    device_indices: Any = None
+    device_new: Any = None
 
-    def write(self, values: NDArray[np.unsignedinteger]) -> None:
-        if values.size < _THREADED_SCATTER or not self.slot.on_cpu:
-            self.slot.scatter(self.indices, values)
-            return
-        import torch
+    @classmethod
+    def of(
+        cls, slot: _Slot, indices: NDArray[np.int64], old: NDArray[np.unsignedinteger], new: NDArray[np.unsignedinteger]
+    ) -> _HostWrite:
+        flat = slot.bits.reshape(-1)
+        if slot.on_cpu:
+            return cls(slot, indices, old, new, flat)
+        return cls(slot, indices, old, new, flat, slot.to_device(indices), slot.to_device(new))
 
-        # The same scatter through torch's multi-threaded index_put_ on a signed view of
-        # the same memory: about twice as fast on 2 cores for large changes, and this is
-        # the part requests wait for. Bits are copied, never converted.
-        signed: NDArray[Any] = values.view(_SIGNED[values.dtype.itemsize])
-        self.slot.flat.index_put_((torch.from_numpy(self.indices),), torch.from_numpy(signed))
+    def write(self) -> None:
+        if self.device_indices is None:
+            self.flat[self.indices] = self.new
+        else:
+            import cupy
+
+            with cupy.cuda.Device(self.slot.device.index):
+                self.flat[self.device_indices] = self.device_new
+
+    def restore(self) -> None:
+        """Put the old bits back (after a failure, or an abort): a rare path, so a CUDA
+        tensor's old bits are uploaded only now."""
+        if self.device_indices is None:
+            self.flat[self.indices] = self.old
+        else:
+            self.slot.scatter(self.indices, self.old)
 
 
 @dataclass(eq=False, slots=True)
@@ -691,7 +704,7 @@ class TorchTarget(WeightTarget):
                         f"{name}: the patched bits would fingerprint to {format_fingerprint(new[name])}, "
                         f"not {format_fingerprint(td.target_fingerprint)}; nothing was written"
                     )
-                host.append(_HostWrite(slot, td.indices, old, values))
+                host.append(_HostWrite.of(slot, td.indices, old, values))
             else:
                 device.append(_DeviceWrite(slot, td, slot.to_device(td.indices), slot.to_device(td.delta)))
         return _Prepared(patch, dict(fingerprints), new, host, device)
@@ -705,7 +718,7 @@ class TorchTarget(WeightTarget):
         added: list[_DeviceWrite] = []
         try:
             for change in plan.host:
-                change.write(change.new)
+                change.write()
                 written.append(change)
             for write in plan.device:
                 total = write.add()
@@ -721,7 +734,7 @@ class TorchTarget(WeightTarget):
             for write in reversed(added):
                 write.add(undo=True)
             for change in reversed(written):
-                change.write(change.old)
+                change.restore()
             raise
         self._undo = plan
         return dict(plan.fingerprints)
@@ -734,7 +747,7 @@ class TorchTarget(WeightTarget):
         for write in reversed(plan.device):
             write.add(undo=True)
         for change in reversed(plan.host):
-            change.write(change.old)
+            change.restore()
 
     def full_fingerprints(self) -> dict[str, int]:
         return {name: slot.fingerprint() for name, slot in self._slots.items()}

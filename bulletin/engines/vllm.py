@@ -53,7 +53,8 @@ import json
 import logging
 import secrets
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
@@ -76,6 +77,7 @@ from bulletin.engines.wire import (
 )
 from bulletin.errors import (
     BulletinError,
+    ConfigError,
     EngineError,
     FingerprintMismatch,
     InvalidInput,
@@ -88,7 +90,7 @@ from patcher.patch import Patch, TensorSpec
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ERROR_MARK", "BulletinWorkerExtension", "VLLMTarget", "WorkerState"]
+__all__ = ["ERROR_MARK", "PROTOCOL", "BulletinWorkerExtension", "VLLMTarget", "WorkerState"]
 
 Bits = NDArray[np.unsignedinteger]
 log = logging.getLogger("bulletin.engines.vllm")
@@ -97,6 +99,9 @@ log = logging.getLogger("bulletin.engines.vllm")
 ERROR_MARK: Final = "bulletin-error "
 
 _METHODS: Final = frozenset({"bind", "fingerprints", "load", "prepare", "apply", "abort", "activate"})
+#: What the sidecar and the workers' extension agree on; 2: applies carry tokens, aborts
+#: name the apply they undo and activations do not call the workers (see ``VLLMTarget.activate``).
+PROTOCOL: Final = 2
 
 
 def _differing(held: Mapping[str, int], expected: Mapping[str, int]) -> list[str]:
@@ -126,8 +131,14 @@ class WorkerState:
         self.target: WeightTarget | None = None
         self.specs: dict[str, TensorSpec] | None = None
         #: A patch checked and precomputed by ``prepare`` (reads only), with this rank's
-        #: base and expected partials, for the next ``apply`` to write.
-        self._staged: tuple[Patch, dict[str, int], dict[str, int]] | None = None
+        #: base and expected partials and the sidecar's token for it, for ``apply`` to write.
+        self._staged: tuple[Patch, dict[str, int], dict[str, int], str | None] | None = None
+        #: The token of the patch written last, while this rank can still undo it: until
+        #: the next request that names a base over the live bits (which commits it), a
+        #: load, a bind, an ``activate``, or an ``abort`` that names it.
+        self._applied: str | None = None
+        #: The version this rank was last told it holds (a commit's label).
+        self.version: int | None = None
 
     @property
     def dropped(self) -> list[str]:
@@ -140,6 +151,7 @@ class WorkerState:
         layout, self.target = bind_rank(self.model, specs, pp_rank=self.pp_rank)
         self.layout = layout
         self.specs = dict(specs)
+        self._staged, self._applied = None, None
 
     def _bound(self, specs: Mapping[str, TensorSpec] | None) -> tuple[RankLayout, WeightTarget | None]:
         if specs is not None and (self.layout is None or self.specs != dict(specs)):
@@ -176,14 +188,13 @@ class WorkerState:
         specs = specs_from_json(body["specs"]) if "specs" in body else None
         layout, target = self._bound(specs)
         if method == "bind":
-            return {"layout": layout.to_json(), "dropped": self.dropped}
+            return {"layout": layout.to_json(), "dropped": self.dropped, "protocol": PROTOCOL}
         expect = self._mine(body, "expect", layout)
         if method == "activate":
-            version = body.get("version")
-            if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+            version = _version(body.get("version"))
+            if version is None:
                 raise InvalidInput("version must be a non-negative integer")
-            if target is not None:
-                target.activate(version)
+            self._commit(target, version)
             return {"version": version, "rank": layout.key}
         if target is None:  # a rank that holds none of the served tensors
             return {"fingerprints": {}, "rank": layout.key}
@@ -195,33 +206,55 @@ class WorkerState:
 
             with Checkpoint(request_path(body, "path")) as ckpt:
                 pieces = layout.local_bits({name: ckpt.bits(name) for name in layout.pieces})
+                self._staged, self._applied = None, None  # overwritten: nothing left to undo
                 target.load_full(pieces, target.layout() or {})
             # Read back from the live parameters: what the engine computes with.
             held = self._check(target.full_fingerprints(), expect, VerificationFailed, layout)
             return {"fingerprints": fps_to_json(held), "rank": layout.key}
         if method in ("prepare", "apply"):
+            token = body.get("token")
+            if token is not None and not isinstance(token, str):
+                raise InvalidInput("token must be a string")
             staged, self._staged = self._staged, None
             if method == "apply" and body.get("prepared") is True:
-                if staged is None:
-                    raise InvalidInput("apply of a prepared patch, but nothing is prepared on this rank")
-                local, base, expect = staged
+                if staged is None or staged[3] != token:
+                    raise InvalidInput("apply of a prepared patch, but this rank prepared no such patch")
+                local, base, expect, _ = staged
             else:
+                # A request naming a base over the live bits: an apply still undoable
+                # here was activated (the sidecar names bases only over bits it holds as
+                # verified), so it is committed first, as an ``activate`` would.
+                self._commit(target, _version(body.get("held")))
                 local, base, expect = self._local_patch(body, layout, expect)
             if method == "prepare":
                 # Reads only, while the engine still serves: decoded, checked against this
                 # rank's base and targets, the new bits computed; nothing is written.
                 target.prepare(local, {n: base[n] for n in local.tensors})
-                self._staged = (local, base, expect)
+                self._staged = (local, base, expect, token)
                 return {"rank": layout.key}
             # Refused before any write unless the bits read land on this rank's targets.
             fps = {**base, **target.apply(local, {n: base[n] for n in local.tensors})}
+            self._applied = token
             return {
                 "fingerprints": fps_to_json(self._check(fps, expect, VerificationFailed, layout)),
                 "rank": layout.key,
             }
         self._staged = None
+        if "token" in body and (body["token"] is None or body["token"] != self._applied):
+            # Not the patch written last (a prepare that failed, or an abort that reached
+            # this rank twice): what it holds was committed or is not this call's to undo.
+            return {"rank": layout.key}
+        self._applied = None
         target.abort()
         return {"rank": layout.key}
+
+    def _commit(self, target: WeightTarget | None, version: int | None) -> None:
+        """Forget the undo data of what was written last: it is the version held now."""
+        self._applied = None
+        if version is not None:
+            self.version = version
+        if target is not None:
+            target.activate(self.version if self.version is not None else 0)
 
     def _local_patch(
         self, body: Mapping[str, Any], layout: RankLayout, expect: dict[str, int] | None
@@ -299,6 +332,13 @@ class BulletinWorkerExtension:
         return self.bulletin_call("activate", request)
 
 
+def _version(value: Any) -> int | None:
+    """A version number from a request, or None if it is not one."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        return None
+    return value
+
+
 def _pp_rank() -> int:
     """The worker's pipeline stage (``vllm.distributed.get_pp_group().rank_in_group``),
     0 where vLLM is not importable or its groups are not set up (tests, one stage)."""
@@ -334,6 +374,7 @@ class _Staged:
     new: dict[str, int]  # the folder's fingerprints after it
     expected: dict[str, int]  # the engine's (served tensors only)
     after: list[dict[str, int]]  # each rank's partials after it
+    token: str  # what the workers know it by (their apply, its abort)
 
 
 class VLLMTarget(WeightTarget):
@@ -374,6 +415,15 @@ class VLLMTarget(WeightTarget):
         self._paused = False
         #: The patch :meth:`prepare` applied to the folder and had every worker prepare.
         self._staged: _Staged | None = None
+        #: The token of a patch sent to the workers' ``apply`` and not activated: what an
+        #: abort must have them undo (some may have written it even if the call failed).
+        self._applied: str | None = None
+        #: The version the workers hold as activated (None: not known to this process).
+        self._version: int | None = None
+        #: The weight version label last set on the engine by this process.
+        self._label: str | None = None
+        #: Threads for the control calls that may run at once (see :meth:`activate`).
+        self._pool: ThreadPoolExecutor | None = None
 
     # -- HTTP ------------------------------------------------------------------------------
 
@@ -448,13 +498,35 @@ class VLLMTarget(WeightTarget):
 
     def reset_caches(self) -> None:
         """Drop every cached result computed with other bits: prefix (KV) and encoder caches."""
+        self._concurrently(self._reset_prefix_cache, self._reset_encoder_cache)
+
+    def _reset_prefix_cache(self) -> None:
         answer = self._post("/reset_prefix_cache", what="reset_prefix_cache")
         if not (isinstance(answer, dict) and answer.get("success") is True):
             # Blocks still held by running requests: preempt them and reset again.
             answer = self._post("/reset_prefix_cache?reset_running_requests=true", what="reset_prefix_cache")
             if not (isinstance(answer, dict) and answer.get("success") is True):
                 raise EngineError(f"vLLM could not reset its prefix cache: {answer!r:.200}")
+
+    def _reset_encoder_cache(self) -> None:
         self._post("/reset_encoder_cache", what="reset_encoder_cache")
+
+    def _set_label(self, label: str) -> None:
+        """vLLM's weight version (the label it attaches to its outputs)."""
+        self._post("/update_weight_version", {"new_version": label}, what="update_weight_version")
+        self._label = label
+
+    def _concurrently(self, *calls: Callable[[], None]) -> None:
+        """Run independent control calls at once and wait for all; the first failure is
+        raised once every call has ended. vLLM's API server takes concurrent requests and
+        its engine core runs utility calls one at a time, in arrival order
+        (``EngineCoreProc._handle_client_request``), so only the round trips overlap."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="bulletin-vllm")
+        futures = [self._pool.submit(call) for call in calls]
+        errors = [exc for f in futures if (exc := f.exception()) is not None]
+        if errors:
+            raise errors[0]
 
     def engine_version(self) -> str | None:
         """The weight version vLLM reports (``GET /weight_info``)."""
@@ -483,6 +555,13 @@ class VLLMTarget(WeightTarget):
             finally:
                 if not was_paused:
                     self.resume()
+            spoken = sorted({str(r.get("protocol")) for r in results} - {str(PROTOCOL)})
+            if spoken:
+                # An older extension would undo an activated apply on the next abort.
+                raise ConfigError(
+                    f"vLLM's workers run another Bulletin's worker extension (protocol {', '.join(spoken)}; "
+                    f"this sidecar speaks {PROTOCOL}): install the same Bulletin in vLLM's environment"
+                )
             layouts = [RankLayout.from_json(r.get("layout")) for r in results]
             # Refuses (IncompatibleLayout, permanent) pieces that overlap or leave a
             # tensor uncovered across the ranks (pipeline stages included).
@@ -585,6 +664,7 @@ class VLLMTarget(WeightTarget):
         # patch's bits by now (staged, not activated), not the version's.
         known = self._rank_fps is not None and self._engine_fps == engine
         self._engine_fps = engine
+        self._version = restored.version
         plan = self.plan
         if not known:
             self._rank_fps = self._expected(plan, restored.fingerprints) if plan is not None else None
@@ -593,6 +673,7 @@ class VLLMTarget(WeightTarget):
     def load_full(self, tensors: Mapping[str, Bits], specs: Mapping[str, TensorSpec]) -> None:
         self.local.load_full(tensors, specs)
         self._engine_fps = self._rank_fps = None  # from here on the workers' bits are the load's, or a mix
+        self._applied = None  # and nothing they wrote before can be undone
         plan = self._bind(specs)
         expected = {n: fingerprint(tensors[n]) for n in specs if n not in self.dropped}
         ranks = self._expected(plan, expected)
@@ -639,10 +720,15 @@ class VLLMTarget(WeightTarget):
                 path = stem / f"{i:05d}.bpatch"
                 path.write_bytes(shard)
                 paths.append(str(path.resolve()))
+            token = secrets.token_hex(8)
             body = {
                 "shards": paths,
                 "fingerprints": self._per_rank(plan, before),
                 "expect": self._per_rank(plan, after),
+                "token": token,
+                # The workers commit what they still hold undoable from the last apply:
+                # its bits are this patch's base (labelled with the version activated).
+                "held": self._version,
             }
             # Every worker (of every engine) decodes its part and refuses unless its bits
             # would land on its own partials; nothing is written yet.
@@ -653,7 +739,7 @@ class VLLMTarget(WeightTarget):
             raise
         finally:
             shutil.rmtree(stem, ignore_errors=True)  # the workers hold their parts now
-        return _Staged(patch, dict(fingerprints), new, expected, after)
+        return _Staged(patch, dict(fingerprints), new, expected, after, token)
 
     def apply(self, patch: Patch, fingerprints: Mapping[str, int]) -> dict[str, int]:
         staged, self._staged = self._staged, None
@@ -667,7 +753,8 @@ class VLLMTarget(WeightTarget):
             self.pause()
             # The pause is the writes: every worker writes what it prepared and reads its
             # partials back; the first engine's are summed again here.
-            results = self.call("apply", {"prepared": True})
+            self._applied = staged.token
+            results = self.call("apply", {"prepared": True, "token": staged.token})
             if self.plan is None or self._gather(self.plan, results) != staged.expected:
                 raise VerificationFailed("vLLM's workers landed on other bits than the local copy")
             self._engine_fps, self._rank_fps = staged.expected, staged.after
@@ -677,13 +764,28 @@ class VLLMTarget(WeightTarget):
             raise
         return staged.new
 
-    def _abort_engine(self) -> None:
-        # A worker that failed its apply has already restored its own bits; what the
+    def _abort_engine(self, *, relabel: str | None = None, resume: bool = True) -> None:
+        """Undo what the workers may hold of the patch sent last and resume; ``relabel``:
+        vLLM's weight version to put back first (one moved on for bits now undone);
+        ``resume=False`` leaves the engine paused (a label that cannot be put back)."""
+        # A worker that failed its apply has already restored its own bits; the others
+        # undo the patch sent last, by its token (never one activated before it). What the
         # engine holds afterwards is checked by the caller (the sidecar verifies it).
         self._staged = None
+        token, self._applied = self._applied, None
         with contextlib.suppress(BulletinError):
-            self.call("abort", {})
+            self.call("abort", {"token": token})
         self._engine_fps = self._rank_fps = None
+        if relabel is not None:
+            try:
+                self._set_label(relabel)
+            except BulletinError as exc:
+                # Paused, the engine serves nothing; resumed, it would label old bits new.
+                log.error("vLLM stays paused: its weight version could not be put back to %s (%s)", relabel, exc)
+                return
+        if not resume:
+            log.error("vLLM stays paused: its weight version label is not that of the bits it holds")
+            return
         with contextlib.suppress(BulletinError):
             self.resume()
 
@@ -706,17 +808,32 @@ class VLLMTarget(WeightTarget):
         return engine
 
     def activate(self, version: int, *, manifest_digest: str | None = None) -> None:
+        """Still paused: reset the prefix and encoder caches (nothing computed with the old
+        bits is reused) and set vLLM's weight version, the three calls at once, then resume.
+
+        The workers are not called: each checked its own bits before answering its apply,
+        and keeps that apply's undo data until the next request naming a base commits it
+        (or an abort naming it undoes it), so the pause needs no commit round trip."""
+        previous = self._label
         try:
-            self.call("activate", {"version": version})
-            self.reset_caches()  # nothing computed with the old bits is reused
-            self._post("/update_weight_version", {"new_version": str(version)}, what="update_weight_version")
+            self._concurrently(
+                self._reset_prefix_cache, self._reset_encoder_cache, lambda: self._set_label(str(version))
+            )
             self.resume()
         except BaseException:
-            self.abort()  # workers and folder back on the version the engine reported
+            # Workers and folder back on the version held before; the label too if it moved.
+            moved = self._label != previous
+            held = previous if previous is not None else None if self._version is None else str(self._version)
+            self._abort_engine(relabel=held if moved else None, resume=not moved or held is not None)
+            self.local.abort()
             raise
+        self._applied, self._version = None, version
         self.local.activate(version, manifest_digest=manifest_digest)
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
         self.local.close()
 
 

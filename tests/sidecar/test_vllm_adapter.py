@@ -491,3 +491,126 @@ def test_pipeline_stages_patch_only_their_own_layers_and_must_cover_every_tensor
         sub.close()
     finally:
         server.close()
+
+
+def test_activation_makes_no_worker_call_and_an_abort_never_undoes_an_activated_apply(
+    tmp_path: Path, trainer: LlamaForCausalLM, engines: tuple[VllmServer, list[VllmLlama]]
+) -> None:
+    import copy
+
+    server, models = engines
+    store = str(tmp_path / "store")
+    local = LocalDirTarget(tmp_path / "local", run="r")
+    target = VLLMTarget(local, server.url)
+    sub = Subscriber(store, "r", target=target)
+    opt = torch.optim.AdamW(trainer.parameters(), lr=1e-3)
+    with Publisher(store, "r", keyframe_every=10) as pub:
+        pub.publish(trainer.state_dict())
+        sub.sync()
+        train_step(trainer, opt)
+        pub.publish(trainer.state_dict())
+        server.rpc_methods.clear()
+        sub.sync()
+        # The pause is pause, apply, the cache resets and the label at once, resume: the
+        # workers keep their undo data until the next request naming a base commits it.
+        assert server.rpc_methods == ["bulletin_prepare", "bulletin_apply"]
+        assert server.weight_versions == ["2"] and server.paused is None
+        at_two = copy.deepcopy(trainer)
+        # The next version fails on the sidecar after the folder's apply and before any
+        # worker hears of it: the abort that follows names no apply of theirs, so the
+        # activated one (still undoable on the workers) stays.
+        train_step(trainer, opt)
+        pub.publish(trainer.state_dict())
+        spool = target.spool_dir
+        target.spool_dir = tmp_path / "not-a-folder"
+        target.spool_dir.write_text("")
+        with pytest.raises(OSError):
+            sub.sync()
+        assert "bulletin_abort" in server.rpc_methods and server.paused is None
+        for model in models:
+            assert_holds(model, at_two)
+        target.spool_dir = spool
+        assert sub.sync() == 3  # the next prepare commits version 2's apply, then applies 3
+        for model in models:
+            assert_holds(model, trainer)
+    sub.close()
+
+
+class _FailingResetServer(VllmServer):
+    """``/reset_encoder_cache`` fails while ``fail`` is set (the other calls succeed)."""
+
+    fail = False
+
+    def _reset_encoder_cache(self, call: Any) -> tuple[int, Any]:
+        if self.fail:
+            return 500, {"error": {"message": "reset failed", "code": 500}}
+        return super()._reset_encoder_cache(call)
+
+
+def test_a_failed_activation_puts_the_workers_the_label_and_the_folder_back(
+    tmp_path: Path, trainer: LlamaForCausalLM
+) -> None:
+    import copy
+
+    models = [VllmLlama(), VllmLlama()]
+    server = _FailingResetServer([extended_worker(m) for m in models])
+    try:
+        store = str(tmp_path / "store")
+        local = LocalDirTarget(tmp_path / "local", run="r")
+        sub = Subscriber(store, "r", target=VLLMTarget(local, server.url))
+        opt = torch.optim.AdamW(trainer.parameters(), lr=1e-3)
+        with Publisher(store, "r", keyframe_every=10) as pub:
+            for step in range(2):
+                if step:
+                    train_step(trainer, opt)
+                pub.publish(trainer.state_dict())
+                sub.sync()
+            at_two = copy.deepcopy(trainer)
+            train_step(trainer, opt)
+            pub.publish(trainer.state_dict())
+            server.fail = True
+            with pytest.raises(EngineError, match="reset_encoder_cache"):
+                sub.sync()
+            # Every worker wrote version 3 and is back on 2; vLLM's label, set to 3 while
+            # the reset failed beside it, is 2 again, and the engine runs.
+            assert sub.current_version == 2 and server.paused is None
+            assert server.weight_versions == ["2"]
+            for model in models:
+                assert_holds(model, at_two)
+            restored = local.restored()
+            assert restored is not None and restored.version == 2
+            server.fail = False
+            assert sub.sync() == 3
+            assert server.weight_versions == ["3"]
+            for model in models:
+                assert_holds(model, trainer)
+        sub.close()
+    finally:
+        server.close()
+
+
+def test_workers_speaking_another_protocol_are_refused_at_bind(tmp_path: Path, trainer: LlamaForCausalLM) -> None:
+    from bulletin.engines import vllm
+    from bulletin.errors import ConfigError
+
+    class OldState(WorkerState):
+        def handle(self, method: str, request: str) -> dict[str, Any]:
+            answer = super().handle(method, request)
+            answer.pop("protocol", None)  # an extension from before applies carried tokens
+            return answer
+
+    model = VllmLlama()
+    worker = extended_worker(model)
+    worker._bulletin_worker_state = OldState(model)
+    server = VllmServer([worker])
+    try:
+        store = str(tmp_path / "store")
+        sub = Subscriber(store, "r", target=VLLMTarget(LocalDirTarget(tmp_path / "local", run="r"), server.url))
+        with Publisher(store, "r", keyframe_every=10) as pub:
+            pub.publish(trainer.state_dict())
+            with pytest.raises(ConfigError, match=f"protocol None; this sidecar speaks {vllm.PROTOCOL}"):
+                sub.sync()
+        assert "bulletin_load" not in server.rpc_methods and server.paused is None
+        sub.close()
+    finally:
+        server.close()
