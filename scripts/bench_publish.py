@@ -16,13 +16,25 @@ directory store:
 - ``cli``: ``bulletin publish DIR`` of version 1, then of version 2 in a new process
   (what a trainer that writes checkpoints and calls the CLI pays per version).
 
-Memory is the process's peak anonymous memory (``RssAnon``, sampled every 2 ms by
-:class:`scripts._common.MemoryPeak`) beyond what it held when the publish began (the
-caller's tensors and the imports; for the Python publisher, what it keeps between
-versions counts), as a multiple of the model's size; memory maps are
-file-backed and not counted. The baseline is ``safetensors.torch.save_file`` of
-version 2, fsynced, in the same run: the issue's target is a patch publish no slower
-than it and <= 0.25x the model in anonymous memory.
+Memory is the process's peak anonymous memory (``RssAnon`` of /proc/self/status,
+sampled every 2 ms by :class:`scripts._common.MemoryPeak` while the publish runs) beyond
+a baseline, as a multiple of the model's size:
+
+- ``python``: the baseline is ``RssAnon`` once the imports are done and the caller's
+  tensors are loaded, before the ``Publisher`` exists. The tensors are private copies
+  (anonymous memory, as a trainer holds its weights), and version 2 is copied into them
+  in place, which adds no memory; so what the publisher keeps between versions counts.
+  This is the quantity ``scripts/bench_scale.py`` prints for its Python child, measured
+  the same way (it samples from its parent every 10 ms and adds ``RssShmem``, which is
+  zero here: nothing Bulletin maps is shared memory or tmpfs unless the store or cache
+  directory is on tmpfs);
+- ``cli``: the baseline is ``RssAnon`` when ``bulletin.cli.main`` is called, its modules
+  imported.
+
+The checkpoint folders and the publisher's cache are read through memory maps: file
+pages, not counted. The baseline of time is ``safetensors.torch.save_file`` of version
+2 from the same in-memory tensors, fsynced, in the same run: the issue's target is a
+patch publish no slower than it and <= 0.25x the model in anonymous memory.
 """
 
 from __future__ import annotations

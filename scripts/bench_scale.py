@@ -22,9 +22,15 @@ own:
   imports and loading;
 - **anon**: peak anonymous memory (``RssAnon`` + ``RssShmem`` of /proc/<pid>/status,
   summed over the process's session), sampled every ``--sample-ms``; printed beyond a
-  baseline: the caller's tensors (and imports) for a Python child, the interpreter with
-  Bulletin's CLI modules imported (the ``idle`` line) for a CLI command. Memory cgroups
-  are not used: on this machine they belong to the sandbox that runs the session;
+  baseline. For a Python child the baseline is the child's anonymous memory once its
+  imports are done and the caller's tensors are loaded, before the ``Publisher`` exists:
+  the tensors are copied out of ``load_file``'s memory maps into anonymous memory, as a
+  trainer holds them, so the in-place update between versions adds nothing, and what
+  the publisher keeps between versions counts (the same quantity, measured the same way,
+  as ``scripts/bench_publish.py``). For a CLI command the baseline is the interpreter
+  with Bulletin's CLI modules imported (the ``idle`` line); the folder it publishes is
+  read through memory maps, file pages, not counted. Memory cgroups are not used: on
+  this machine they belong to the sandbox that runs the session;
 - **VmHWM**: peak resident set, file pages included: the kernel's own high-water mark
   (``ru_maxrss`` of the process from wait4, or VmHWM reset at the start of a phase);
 - **disk**: bytes read from and written to block devices: ``ru_inblock``/``ru_oublock``
@@ -358,16 +364,30 @@ def _anon_now() -> int:
     return s.get("RssAnon", 0) + s.get("RssShmem", 0)
 
 
-def _load_state(folder: Path) -> dict[str, Any]:
+def load_shard(path: Path) -> dict[str, Any]:
+    """One shard's tensors in the process's own anonymous memory, as a trainer holds its
+    weights. ``load_file`` (safetensors 0.8, its default ``mmap`` backend) returns views of
+    a private memory map of the file: file pages until written. The in-place update
+    between versions touches nearly every page (0.4% of elements, scattered), and each
+    page it touches turns anonymous by copy-on-write after the caller's tensors were
+    measured, so the model's size was charged to the patch publish (1.07x at 0.5, 2 and 6 GB
+    before this copy)."""
     from safetensors.torch import load_file
 
+    return {name: tensor.clone() for name, tensor in load_file(path).items()}
+
+
+def load_state(folder: Path) -> dict[str, Any]:
+    """A folder's tensors as the Python ``Publisher``'s caller holds them (:func:`load_shard`)."""
     state: dict[str, Any] = {}
     for shard in sorted(folder.glob("*.safetensors")):
-        state.update(load_file(shard))
+        state.update(load_shard(shard))
     return state
 
 
-def _apply_to_state(state: dict[str, Any], version: int, order: list[str], share: float, seed: int) -> None:
+def apply_to_state(state: dict[str, Any], version: int, order: list[str], share: float, seed: int) -> None:
+    """Version ``version`` of a :func:`load_state` state dict from the one before, in place
+    (:func:`apply_delta`; ``order``: the model's tensor names, as indexed there)."""
     import torch
 
     for i, name in enumerate(order):
@@ -398,17 +418,17 @@ def child(op: str, spec: dict[str, Any]) -> dict[str, Any]:
 
         order = list(Llama(**spec["model"]).shapes())
         before = _anon_now()
-        state = _load_state(Path(spec["folder"]))
+        state = load_state(Path(spec["folder"]))
         info["anon_tensors"] = _anon_now() - before
         info["anon_loaded"] = _anon_now()
         store = _counting(spec["store"])
         pub = Publisher(store, spec["run"], keyframe_every=spec["keyframe_every"])
         for version in spec.get("apply_first", []):
-            _apply_to_state(state, version, order, spec["share"], spec["seed"])
+            apply_to_state(state, version, order, spec["share"], spec["seed"])
         results = []
         for n, version in enumerate(spec["versions"]):
             if n or op == "py-setup":
-                _apply_to_state(state, version, order, spec["share"], spec["seed"])
+                apply_to_state(state, version, order, spec["share"], spec["seed"])
             store.reset()
             name = spec["phase_names"][n] if op == "py-publish" else f"v{version}"
             with phases.phase(name) as extra:
@@ -423,12 +443,12 @@ def child(op: str, spec: dict[str, Any]) -> dict[str, Any]:
         pub.close()
         info["results"] = results
     elif op == "save-file":
-        from safetensors.torch import load_file, save_file
+        from safetensors.torch import save_file
 
         shards: dict[str, dict[str, Any]] = {}
         before = _anon_now()
         for path in sorted(Path(spec["folder"]).glob("*.safetensors")):
-            shards[path.name] = load_file(path)
+            shards[path.name] = load_shard(path)  # held as the Publisher's caller holds them
         info["anon_tensors"] = _anon_now() - before
         info["anon_loaded"] = _anon_now()
         dst = Path(spec["dst"])
