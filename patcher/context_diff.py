@@ -46,8 +46,8 @@ _MASK64: Final = (1 << 64) - 1
 #: The sample both the guess and the final choice of a tensor's window read
 #: (:func:`_sample_runs`): as dense as choose_window's, in longer runs, since each run
 #: costs a cache and TLB miss and the choice needs proportions only.
-SAMPLE_STRIDE: Final = 1 << 16
-SAMPLE_RUNS: Final = 256
+SAMPLE_STRIDE: Final = 1 << 18
+SAMPLE_RUNS: Final = 64
 #: A guessed window is kept when its estimated position bits exceed those of the best
 #: window by at most this share (1/512: a twentieth of a per cent of a patch's bytes at
 #: most); guesses from the sample miss only by near ties, so few tensors are scanned twice.
