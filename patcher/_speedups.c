@@ -2439,29 +2439,45 @@ done:
  * hardware prefetcher follows: the reads are asked for well ahead, so they overlap
  * instead of each waiting on memory. Elements go to four histograms in turn (`sub`,
  * 4 x 2**ebits zeroed counts), so that runs of equal exponents, the common case, do not
- * each wait on the previous increment; they are summed at the end. */
-static void sample_counts(const unsigned char *base, const unsigned char *now, int width, int shift, uint64_t emask,
-                          int64_t start, int64_t stop, int64_t step, int64_t run, int64_t *counts, int64_t *changed,
-                          int64_t *sub) {
+ * each wait on the previous increment; they are summed at the end. One copy per width. */
+HOT void sample_counts(int W, const unsigned char *base, const unsigned char *now, int shift, uint64_t emask,
+                       int64_t start, int64_t stop, int64_t step, int64_t run, int64_t *counts, int64_t *changed,
+                       int64_t *sub) {
     const int64_t ahead = 16 * step, size = (int64_t)emask + 1;
-    int64_t *const lanes[4] = {sub, sub + size, sub + 2 * size, sub + 3 * size};
-    int lane = 0;
+    int64_t *const l0 = sub, *const l1 = sub + size, *const l2 = sub + 2 * size, *const l3 = sub + 3 * size;
     for (int64_t i = start; i < stop; i += step) {
         if (i + ahead < stop) {
-            for (int64_t off = 0; off < run * width; off += 64) {
-                __builtin_prefetch(base + (i + ahead) * width + off);
-                if (now != NULL) __builtin_prefetch(now + (i + ahead) * width + off);
+            for (int64_t off = 0; off < run * W; off += 64) {
+                __builtin_prefetch(base + (i + ahead) * W + off);
+                if (now != NULL) __builtin_prefetch(now + (i + ahead) * W + off);
             }
         }
         const int64_t end = stop - i < run ? stop : i + run;
-        for (int64_t j = i; j < end; j++) {
-            const uint64_t was = load(base + j * width, width), e = (was >> shift) & emask;
-            lanes[lane][e]++;
-            lane = (lane + 1) & 3;
-            if (now != NULL) changed[e] += was != load(now + j * width, width);
+        int64_t j = i;
+        for (; j + 4 <= end; j += 4) {
+            const unsigned char *p = base + j * W;
+            const uint64_t w0 = load(p, W), w1 = load(p + W, W), w2 = load(p + 2 * W, W), w3 = load(p + 3 * W, W);
+            l0[(w0 >> shift) & emask]++;
+            l1[(w1 >> shift) & emask]++;
+            l2[(w2 >> shift) & emask]++;
+            l3[(w3 >> shift) & emask]++;
+            if (now != NULL) {
+                /* A branch, not adds of 0 or 1: changes are rare, and each add would wait on
+                 * the last one to the same count. */
+                const unsigned char *q = now + j * W;
+                if (w0 != load(q, W)) changed[(w0 >> shift) & emask]++;
+                if (w1 != load(q + W, W)) changed[(w1 >> shift) & emask]++;
+                if (w2 != load(q + 2 * W, W)) changed[(w2 >> shift) & emask]++;
+                if (w3 != load(q + 3 * W, W)) changed[(w3 >> shift) & emask]++;
+            }
+        }
+        for (; j < end; j++) {
+            const uint64_t was = load(base + j * W, W);
+            l0[(was >> shift) & emask]++;
+            if (now != NULL && was != load(now + j * W, W)) changed[(was >> shift) & emask]++;
         }
     }
-    for (int64_t e = 0; e < size; e++) counts[e] += lanes[0][e] + lanes[1][e] + lanes[2][e] + lanes[3][e];
+    for (int64_t e = 0; e < size; e++) counts[e] += l0[e] + l1[e] + l2[e] + l3[e];
 }
 
 /* The arguments both histograms check: a sample of [start, stop) and 2**ebits counts. */
@@ -2514,7 +2530,7 @@ static PyObject *py_ctx_histogram(PyObject *self, PyObject *args) {
             goto done;
         }
         Py_BEGIN_ALLOW_THREADS;
-        sample_counts(base, NULL, width, shift, emask, start, stop, step, run, counts, NULL, sub);
+        BY_WIDTH(width, sample_counts(W, base, NULL, shift, emask, start, stop, step, run, counts, NULL, sub));
         /* Changes are hundreds of elements apart: ask for their reads ahead too. */
         enum { AHEAD = 32 };
         for (Py_ssize_t j = 0; j < n; j++) {
@@ -2555,8 +2571,8 @@ static PyObject *py_ctx_sample(PyObject *self, PyObject *args) {
         goto done;
     }
     Py_BEGIN_ALLOW_THREADS;
-    sample_counts(b[0].buf, b[1].buf, width, shift, (1ULL << ebits) - 1, start, stop, step, run, b[2].buf, b[3].buf,
-                  sub);
+    BY_WIDTH(width, sample_counts(W, b[0].buf, b[1].buf, shift, (1ULL << ebits) - 1, start, stop, step, run,
+                                  b[2].buf, b[3].buf, sub));
     Py_END_ALLOW_THREADS;
     free(sub);
     result = Py_NewRef(Py_None);
