@@ -2480,6 +2480,23 @@ HOT void sample_counts(int W, const unsigned char *base, const unsigned char *no
     for (int64_t e = 0; e < size; e++) counts[e] += l0[e] + l1[e] + l2[e] + l3[e];
 }
 
+/* sample_counts with its scratch, the GIL released while it runs: -1 (MemoryError set)
+ * when the scratch cannot be had. */
+static int sample(const unsigned char *base, const unsigned char *now, int width, int shift, int ebits, int64_t start,
+                  int64_t stop, int64_t step, int64_t run, int64_t *counts, int64_t *changed) {
+    int64_t *sub = calloc(4 * ((size_t)1 << ebits), sizeof(int64_t));
+    if (sub == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    const uint64_t emask = (1ULL << ebits) - 1;
+    Py_BEGIN_ALLOW_THREADS;
+    BY_WIDTH(width, sample_counts(W, base, now, shift, emask, start, stop, step, run, counts, changed, sub));
+    Py_END_ALLOW_THREADS;
+    free(sub);
+    return 0;
+}
+
 /* The arguments both histograms check: a sample of [start, stop) and 2**ebits counts. */
 static int sample_args_ok(Py_ssize_t numel, int width, int shift, int ebits, long long start, long long stop,
                           long long step, long long run, const Py_buffer *counts, const Py_buffer *changed) {
@@ -2524,21 +2541,15 @@ static PyObject *py_ctx_histogram(PyObject *self, PyObject *args) {
                 goto done;
             }
         }
-        int64_t *sub = calloc(4 * ((size_t)1 << ebits), sizeof(int64_t));
-        if (sub == NULL) {
-            PyErr_NoMemory();
-            goto done;
-        }
+        if (sample(base, NULL, width, shift, ebits, start, stop, step, run, counts, NULL) < 0) goto done;
         Py_BEGIN_ALLOW_THREADS;
-        BY_WIDTH(width, sample_counts(W, base, NULL, shift, emask, start, stop, step, run, counts, NULL, sub));
-        /* Changes are hundreds of elements apart: ask for their reads ahead too. */
+        /* Changes are hundreds of elements apart: ask for their reads ahead. */
         enum { AHEAD = 32 };
         for (Py_ssize_t j = 0; j < n; j++) {
             if (j + AHEAD < n) __builtin_prefetch(base + idx[j + AHEAD] * width);
             changed[(load(base + idx[j] * width, width) >> shift) & emask]++;
         }
         Py_END_ALLOW_THREADS;
-        free(sub);
         result = Py_NewRef(Py_None);
     }
 done:
@@ -2564,17 +2575,9 @@ static PyObject *py_ctx_sample(PyObject *self, PyObject *args) {
     Py_ssize_t numel;
     if (check_width(width) < 0 || (numel = items(&b[0], width, "base")) < 0 || check_len(&b[1], numel, width, "new") < 0)
         goto done;
-    if (!sample_args_ok(numel, width, shift, ebits, start, stop, step, run, &b[2], &b[3])) goto done;
-    int64_t *sub = calloc(4 * ((size_t)1 << ebits), sizeof(int64_t));
-    if (sub == NULL) {
-        PyErr_NoMemory();
+    if (!sample_args_ok(numel, width, shift, ebits, start, stop, step, run, &b[2], &b[3]) ||
+        sample(b[0].buf, b[1].buf, width, shift, ebits, start, stop, step, run, b[2].buf, b[3].buf) < 0)
         goto done;
-    }
-    Py_BEGIN_ALLOW_THREADS;
-    BY_WIDTH(width, sample_counts(W, b[0].buf, b[1].buf, shift, (1ULL << ebits) - 1, start, stop, step, run,
-                                  b[2].buf, b[3].buf, sub));
-    Py_END_ALLOW_THREADS;
-    free(sub);
     result = Py_NewRef(Py_None);
 done:
     release(b, 4);
