@@ -4,6 +4,7 @@ moved only by a commit; publish_async's snapshot; memory that does not grow with
 
 from __future__ import annotations
 
+import itertools
 import json
 import signal
 import subprocess
@@ -26,6 +27,12 @@ from bulletin.storage import Downloaded, ObjectData, open_store
 from bulletin.storage.wrapper import WrapperStore
 from bulletin.target import ArrayTarget
 from patcher.cast import cast_bits
+from patcher.context import choose_window
+from patcher.context_diff import SMALLEST, RankedDelta, diff_ranked
+from patcher.decode import read_shard_header
+from patcher.format import ContextEntry
+from patcher.patch import TensorSpec
+from schemas.manifest import PatchRefV2
 from tests.run.helpers import ToyTrainer, assert_bits_equal
 from tests.run.test_device_recovery import _on_device, emulated_device  # noqa: F401 - a fixture
 
@@ -330,3 +337,40 @@ def test_bench_scale_charges_a_patch_publish_only_the_publishers_memory(tmp_path
     assert used < 0.25 * model.nbytes, f"held {used / model.nbytes:.2f}x the model beyond the caller's tensors"
     _, v2 = bench_scale.ensure_versions(tmp_path / "folders", model, seed=0, share=0.004, shard_bytes=32 << 20)
     assert_bits_equal(_synced(str(tmp_path / "bucket"), 2), dict(bench_scale.tensor_views(v2)))
+
+
+@pytest.mark.parametrize("codec", ["auto", "context"])
+def test_big_tensors_are_ranked_as_they_are_diffed_and_sync_exactly(tmp_path: Path, codec: str) -> None:
+    """Tensors of at least SMALLEST elements take the diff that ranks as it scans
+    (patcher.context_diff): their patches are context-coded with its windows and every
+    version syncs to the trainer's bits."""
+    url = str(tmp_path / "bucket")
+    shapes = {"big.weight": (512, SMALLEST // 512 + 7), "norm.weight": (256,)}
+    trainer = ToyTrainer(seed=4, shapes=shapes)
+    served = []
+    with Publisher(url, "run", keyframe_every=100, codec=codec, cache_dir=tmp_path / "c") as pub:
+        for step in range(4):
+            if step:
+                trainer.step(lr=3e-6)
+            pub.publish(trainer.state)
+            served.append(trainer.served())
+    run = Run(open_store(url), "run")
+    specs = {name: TensorSpec(name, "BF16", shape) for name, shape in shapes.items()}
+    distinct = 0  # versions where the ranked window is not the plain encoder's: the check bites
+    for stored, (before, after) in zip(run.read_manifests([2, 3, 4]), itertools.pairwise(served), strict=True):
+        patch = stored.manifest.patch
+        assert isinstance(patch, PatchRefV2) and patch.codec == "context"
+        ranked = diff_ranked(specs, before, after).tensors["big.weight"]
+        assert isinstance(ranked, RankedDelta)
+        windows = {
+            entry.tensor: entry.window
+            for data in run.download(patch.shards)
+            for entry in read_shard_header(data).entries
+            if isinstance(entry, ContextEntry)
+        }
+        assert windows["big.weight"] == ranked.window
+        base = before["big.weight"]
+        distinct += ranked.window != choose_window(base, "BF16", 0, base.size, ranked.indices)
+    assert distinct
+    for version, bits in enumerate(served, start=1):
+        assert_bits_equal(_synced(url, version), bits)
