@@ -308,12 +308,7 @@ class LogDirTarget(LocalDirTarget):
                 else:
                     self._unlink_current()
                     missing = [path for path, digest in self._files.items() if self._copy(digest) is None]
-                if missing:
-                    self._files_lost = (
-                        f"model files {missing[:3]} of version {state.version} are damaged or gone, "
-                        "with no intact copy kept"
-                    )
-                    log.warning("%s: %s; the next sync rebuilds the folder from a keyframe", self.dir, self._files_lost)
+                self._note_lost_files(missing, state.version)
             self._drop_copies(set(self._files.values()))
             self._tidy()
 

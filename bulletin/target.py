@@ -586,19 +586,22 @@ class LocalDirTarget(WeightTarget):
             and journal.from_version == self._state.version
         )
 
+    def _note_lost_files(self, missing: list[str], version: int) -> None:
+        """Recovery found the model files ``missing`` of ``version`` damaged or gone: the
+        folder stays loadable for its tensors, and the next sync rebuilds it."""
+        if missing:
+            self._files_lost = (
+                f"model files {missing[:3]} of version {version} are damaged or gone, with no intact copy kept"
+            )
+            log.warning("%s: %s; the next sync rebuilds the folder from a keyframe", self.dir, self._files_lost)
+
     def _recover(self) -> None:
         """Under the lock: finish what a killed writer left (see the class docstring)."""
         with os_errors(f"cannot recover {self.dir}"):
             self._roll_back()
             if self._state is not None:
                 self._point_current(self._state.model_dir)
-                missing = self._sync_files(self._state.model_dir, self._files)
-                if missing:
-                    self._files_lost = (
-                        f"model files {missing[:3]} of version {self._state.version} are damaged or gone, "
-                        "with no intact copy kept"
-                    )
-                    log.warning("%s: %s; the next sync rebuilds the folder from a keyframe", self.dir, self._files_lost)
+                self._note_lost_files(self._sync_files(self._state.model_dir, self._files), self._state.version)
             self._drop_copies(set(self._files.values()))
             keep = self._state.model_dir if self._state is not None else None
             for entry in list(os.scandir(self.dir)):

@@ -63,7 +63,7 @@ partial fingerprints, rolled back on failure.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
@@ -85,7 +85,7 @@ from patcher.patch import Patch, TensorDelta, TensorSpec
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Piece", "RankLayout", "ReplicaPlan"]
+__all__ = ["Piece", "RankLayout", "ReplicaPlan", "with_dropped"]
 
 Bits = NDArray[np.unsignedinteger]
 _MASK64: Final = (1 << 64) - 1
@@ -822,3 +822,15 @@ def _check_cover(name: str, spec: TensorSpec, pieces: Sequence[GlobalIndex]) -> 
             f"{name}: the ranks' pieces {'overlap' if overlap else 'leave elements uncovered'} "
             f"({len(pieces)} distinct pieces of {spec.numel} elements)"
         )
+
+
+def with_dropped(
+    engine: dict[str, int], dropped: frozenset[str], folder: Callable[[], Mapping[str, int]]
+) -> dict[str, int]:
+    """An engine's full fingerprints: ``engine``'s, and for the tensors the engine drops
+    (``dropped``: it never holds them), those of the node's folder (``folder()``, read
+    only when some are dropped)."""
+    if dropped:
+        held = folder()
+        engine.update({name: held[name] for name in dropped if name in held})
+    return engine

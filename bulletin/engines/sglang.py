@@ -75,7 +75,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from bulletin.engines.http import engine_url, request_json
-from bulletin.engines.rank_layout import RankLayout, ReplicaPlan
+from bulletin.engines.rank_layout import RankLayout, ReplicaPlan, with_dropped
 from bulletin.engines.sglang_loader import LOADER, REQUEST_FORMAT, encode_requests, reply_path
 from bulletin.engines.wire import ERRORS, SPOOL_SHARD_BYTES, fps_from_json, fps_to_json, specs_to_json
 from bulletin.errors import (
@@ -523,11 +523,7 @@ class SGLangInPlaceTarget(_SGLangServer):
         if specs is None:
             return {}
         self._bind_once(specs)
-        engine = self._engine_fingerprints()
-        if self.dropped:
-            folder = self.local.full_fingerprints()
-            engine.update({n: folder[n] for n in self.dropped if n in folder})
-        return engine
+        return with_dropped(self._engine_fingerprints(), self.dropped, self.local.full_fingerprints)
 
     def activate(self, version: int, *, manifest_digest: str | None = None) -> None:
         """Check every rank once more with SGLang flushing its radix cache and taking

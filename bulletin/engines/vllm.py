@@ -63,7 +63,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from bulletin.engines.http import engine_url, request_json
-from bulletin.engines.rank_layout import RankLayout, ReplicaPlan
+from bulletin.engines.rank_layout import RankLayout, ReplicaPlan, with_dropped
 from bulletin.engines.vllm_sparse import bind_rank
 from bulletin.engines.wire import (
     ERRORS,
@@ -801,11 +801,7 @@ class VLLMTarget(WeightTarget):
             return {}
         held = self.local.restored()
         expect = self._engine_fps if self._engine_fps is not None else (held.fingerprints if held else None)
-        engine = self._fingerprints(specs, expect)
-        if self.dropped:
-            folder = self.local.full_fingerprints()
-            engine.update({n: folder[n] for n in self.dropped if n in folder})
-        return engine
+        return with_dropped(self._fingerprints(specs, expect), self.dropped, self.local.full_fingerprints)
 
     def activate(self, version: int, *, manifest_digest: str | None = None) -> None:
         """Still paused: reset the prefix and encoder caches (nothing computed with the old
