@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import itertools
 import json
 import sys
@@ -581,6 +582,23 @@ def diff_and_encode(codec: Codec, specs: dict[str, TensorSpec], old: Bits, new: 
     return codec.encode((codec.diff or plain_diff)(specs, old, new, fps), old)
 
 
+def bench_fingerprints(old: Bits, repeat: int) -> dict[str, float]:
+    """Full fingerprints of the model (what a keyframe's publish and sync compute for
+    every tensor) on the compiled loop the CPU picks and on its portable loop, next to
+    SHA-256 (hashlib, what they also compute for every file) and a copy, in GB/s."""
+    arrays = list(old.values())
+    model_bytes = sum(a.nbytes for a in arrays)
+    work: dict[str, Callable[[], object]] = {
+        "fingerprint": lambda: [fingerprint(a) for a in arrays],
+        "fingerprint_portable_loop": lambda: [
+            native.speedups.fingerprint(a, a.dtype.itemsize, 0, False) for a in arrays
+        ],
+        "sha256": lambda: [hashlib.sha256(a.data).digest() for a in arrays],
+        "copy": lambda: [a.copy() for a in arrays],
+    }
+    return {name: model_bytes / best(fn, repeat)[0] / GB for name, fn in work.items()}
+
+
 def bench_synthetic(codecs: Sequence[Codec], args: argparse.Namespace) -> dict[str, Any]:
     gb = args.synthetic_gb or (0.25 if args.quick else 1.0)
     pcts = sorted({args.synthetic_pct, *args.sweep})
@@ -612,6 +630,14 @@ def bench_synthetic(codecs: Sequence[Codec], args: argparse.Namespace) -> dict[s
         }
         out["main"] = m
     out["sweep"] = sweep
+    if native.active():
+        speeds = bench_fingerprints(old, args.repeat)
+        out["fingerprint_gbps"] = speeds
+        fast, portable = speeds["fingerprint"], speeds["fingerprint_portable_loop"]
+        print(
+            f"fingerprints of the model: {fast:.2f} GB/s, the portable loop {portable:.2f} GB/s "
+            f"({fast / portable:.1f}x); hashlib sha256 {speeds['sha256']:.2f} GB/s, a copy {speeds['copy']:.2f} GB/s"
+        )
     return out
 
 

@@ -108,6 +108,23 @@ def test_fingerprints_agree(dtype: str) -> None:
     assert fingerprint(bits[::2]) == strided
 
 
+@compiled
+@pytest.mark.parametrize("dtype", ["U8", "F16", "F32", "U64"])
+@pytest.mark.parametrize("first", [0, 13, 1 << 61])
+def test_fingerprint_loops_agree_with_the_definition(dtype: str, first: int) -> None:
+    # The vector loop (AVX-512, where the CPU has it) and the portable one, on lengths
+    # around its 16-element step and from any first index, both equal NumPy's sum.
+    from patcher.fingerprint import fingerprint_rows
+
+    rng = np.random.default_rng(3)
+    for n in (0, 1, 15, 16, 17, 31, 33, 1000):
+        bits = random_bits(rng, dtype, (n,))
+        with native.disabled():
+            want = fingerprint_rows(bits, first, n) if n else 0
+        for vector in (True, False):
+            assert native.speedups.fingerprint(bits, bits.dtype.itemsize, first, vector) == want, (n, vector)
+
+
 # -- apply_shards --------------------------------------------------------------------------
 
 
