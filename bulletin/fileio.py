@@ -28,7 +28,7 @@ from bulletin.errors import (
     ReadOnlyStorage,
 )
 
-__all__ = ["atomic_file", "fsync_dir", "local_error", "os_errors", "stage_file", "write_atomic"]
+__all__ = ["atomic_file", "fsync_dir", "local_error", "os_errors", "pwrite_all", "stage_file", "write_atomic"]
 
 _KINDS: Final[dict[int, type[LocalStorageError]]] = {
     errno.ENOSPC: DiskFull,
@@ -69,6 +69,14 @@ def fsync_dir(path: Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
+    """All of ``data`` at ``offset`` of the open file ``fd`` (``os.pwrite`` may write less)."""
+    view = memoryview(data).cast("B")
+    while view.nbytes:
+        done = os.pwrite(fd, view, offset)
+        view, offset = view[done:], offset + done
 
 
 def _tmp_name(target: Path) -> Path:

@@ -24,7 +24,16 @@ from bulletin.errors import IncompatibleLayout
 from patcher.fingerprint import fingerprint_rows
 from patcher.patch import TensorSpec
 
-__all__ = ["Block", "Layout", "RankLayout", "global_indices", "local_indices", "part_fingerprint", "plan_layout"]
+__all__ = [
+    "Block",
+    "Layout",
+    "RankLayout",
+    "block_runs",
+    "global_indices",
+    "local_indices",
+    "part_fingerprint",
+    "plan_layout",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +90,22 @@ def local_indices(block: Block, flat: NDArray[np.int64]) -> tuple[NDArray[np.boo
         inside &= (c >= o) & (c < o + s)
     moved = tuple((c[inside] - o) for c, o in zip(coords, block.offsets, strict=True))
     return inside, np.ravel_multi_index(moved, block.sizes).astype(np.int64, copy=False)
+
+
+def block_runs(block: Block) -> tuple[NDArray[np.int64], int]:
+    """The block as contiguous runs of the whole tensor's flat elements, in the block's C
+    order: each run's first flat index, and the runs' one length (every dimension inside
+    the innermost one the block cuts is whole, so a run spans it and all below)."""
+    cut_dims = [d for d in range(len(block.shape)) if block.sizes[d] != block.shape[d]]
+    if not cut_dims or block.numel == 0:
+        return np.zeros(1 if block.numel else 0, dtype=np.int64), block.numel
+    cut = cut_dims[-1]
+    strides = [prod(block.shape[d + 1 :]) for d in range(len(block.shape))]
+    starts = np.full((), block.offsets[cut] * strides[cut], dtype=np.int64)
+    for d in range(cut):  # every combination of the outer coordinates, in C order
+        coords = (np.arange(block.sizes[d], dtype=np.int64) + block.offsets[d]) * strides[d]
+        starts = np.add.outer(starts, coords)
+    return starts.reshape(-1), block.sizes[cut] * strides[cut]
 
 
 def part_fingerprint(block: Block, bits: NDArray[np.unsignedinteger]) -> int:

@@ -34,9 +34,17 @@ import numpy as np
 from numpy.typing import NDArray
 
 from bulletin.checkpoint import INDEX_NAME, encode_safetensors_header, hf_index, plan_checkpoint
-from bulletin.distributed.base import PartBase, block_slices
+from bulletin.distributed.base import PartBase
 from bulletin.distributed.comm import Comm
-from bulletin.distributed.parts import Block, Layout, RankLayout, global_indices, part_fingerprint, plan_layout
+from bulletin.distributed.parts import (
+    Block,
+    Layout,
+    RankLayout,
+    block_runs,
+    global_indices,
+    part_fingerprint,
+    plan_layout,
+)
 from bulletin.distributed.shards import renumber
 from bulletin.errors import (
     AccessDenied,
@@ -47,6 +55,7 @@ from bulletin.errors import (
     StorageUnavailable,
     VersionConflict,
 )
+from bulletin.fileio import pwrite_all
 from bulletin.keyspace import keyframe_prefix, patch_shard_key
 from bulletin.publisher import PublishResult, build_manifest, publish_result
 from bulletin.run import Run, StoredManifest, sha256_hex
@@ -564,47 +573,48 @@ class ShardedPublisher:
     ) -> BaseException | None:
         """Write this rank's files, in the one order every rank walks (file, tensor, block),
         so that each send meets its receive. A local failure is returned, not raised,
-        after the walk: the other ranks' sends and receives must still be met."""
+        after the walk: the other ranks' sends and receives must still be met. Blocks go
+        to their places with ``pwrite`` (a run of the tensor's flat elements at a time), not
+        through a memory map: the file's pages then stay in the page cache instead of the
+        writer's resident set, which holds one received block at most."""
         error: BaseException | None = None
         for index, (file_name, specs) in enumerate(files):
             mine = index % self.world == self.rank
-            mapped: np.memmap[Any, np.dtype[np.uint8]] | None = None
+            fd: int | None = None
             offsets: dict[str, tuple[int, int]] = {}
+            data_start = 0
             if mine and error is None:
                 try:
                     header, offsets = encode_safetensors_header(specs, {"format": "pt"})
-                    size = len(header) + sum(spec.nbytes for spec in specs)
-                    path = folder / file_name
-                    with open(path, "wb") as fh:
+                    data_start = len(header)
+                    with open(folder / file_name, "wb") as fh:
                         fh.write(header)
-                        fh.truncate(size)
-                    if size > len(header):
-                        mapped = np.memmap(path, dtype=np.uint8, mode="r+", offset=len(header))
+                        fh.truncate(data_start + sum(spec.nbytes for spec in specs))
+                    fd = os.open(folder / file_name, os.O_WRONLY)
                 except BaseException as exc:
                     error = exc
-            for spec in specs:
-                for owner, block in layout.owners[spec.name]:
-                    if block.numel == 0 or (not mine and owner != self.rank):
-                        continue
-                    if owner == self.rank and not mine:
-                        self._comm.send(kept[spec.name], index % self.world)
-                        continue
-                    bits = (
-                        kept[spec.name]
-                        if owner == self.rank
-                        else self._comm.recv(block.numel * spec.width, owner).view(spec.bits_dtype)
-                    )
-                    if mapped is None or error is not None:
-                        continue
-                    try:
-                        start, stop = offsets[spec.name]
-                        region = mapped[start:stop].view(spec.bits_dtype).reshape(spec.shape)
-                        region[block_slices(block)] = bits.reshape(block.sizes)
-                    except BaseException as exc:
-                        error = exc
-            if mapped is not None:
-                mapped.flush()
-                del mapped
+            try:
+                for spec in specs:
+                    for owner, block in layout.owners[spec.name]:
+                        if block.numel == 0 or (not mine and owner != self.rank):
+                            continue
+                        if owner == self.rank and not mine:
+                            self._comm.send(kept[spec.name], index % self.world)
+                            continue
+                        bits = (
+                            kept[spec.name]
+                            if owner == self.rank
+                            else self._comm.recv(block.numel * spec.width, owner).view(spec.bits_dtype)
+                        )
+                        if fd is None or error is not None:
+                            continue
+                        try:
+                            _write_block(fd, data_start + offsets[spec.name][0], spec.width, block, bits)
+                        except BaseException as exc:
+                            error = exc
+            finally:
+                if fd is not None:
+                    os.close(fd)
         return error
 
     def _upload_keyframe_files(
@@ -701,3 +711,13 @@ class ShardedPublisher:
 
     def _result(self, stored: StoredManifest) -> PublishResult:
         return publish_result(stored.manifest, stored)
+
+
+def _write_block(fd: int, tensor_start: int, width: int, block: Block, bits: Bits) -> None:
+    """``bits`` (the block's, C order) into their places in the tensor stored from byte
+    ``tensor_start`` of the file ``fd``."""
+    data = np.ascontiguousarray(bits).reshape(-1).view(np.uint8).data
+    starts, run = block_runs(block)
+    step = run * width
+    for k, start in enumerate(starts.tolist()):
+        pwrite_all(fd, data[k * step : (k + 1) * step], tensor_start + start * width)

@@ -5,6 +5,7 @@ plain ``Publisher`` and through a commit whose outcome was lost."""
 from __future__ import annotations
 
 import itertools
+from math import prod
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,15 @@ import pytest
 
 from bulletin import Publisher, Subscriber
 from bulletin.distributed import LocalShard, ShardedPublisher
-from bulletin.distributed.parts import Block, RankLayout, global_indices, local_indices, part_fingerprint, plan_layout
+from bulletin.distributed.parts import (
+    Block,
+    RankLayout,
+    block_runs,
+    global_indices,
+    local_indices,
+    part_fingerprint,
+    plan_layout,
+)
 from bulletin.distributed.shards import renumber
 from bulletin.errors import IncompatibleLayout, InvalidInput, StorageUnavailable
 from bulletin.run import Run
@@ -48,6 +57,21 @@ def test_blocks_of_every_dimension_add_up_to_the_tensor(shape: tuple[int, ...]) 
             assert int(inside.sum()) == part.size
             assert (part.reshape(-1)[local] == x.reshape(-1)[inside]).all()
         assert total % 2**64 == fingerprint(x), dim
+
+
+@pytest.mark.parametrize("shape", [(7,), (6, 5), (4, 3, 5), (2, 3, 4, 5)])
+def test_a_blocks_runs_are_its_elements_in_its_own_order(shape: tuple[int, ...]) -> None:
+    # What the keyframe writer pwrites: run k of the block's bits lands at starts[k].
+    rng = np.random.default_rng(1)
+    flat = np.arange(prod(shape), dtype=np.int64).reshape(shape)
+    for _ in range(20):
+        offsets = tuple(int(rng.integers(0, n)) for n in shape)
+        sizes = tuple(int(rng.integers(0, n - o + 1)) for n, o in zip(shape, offsets, strict=True))
+        block = Block(shape, offsets, sizes)
+        want = flat[tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))].reshape(-1)
+        starts, run = block_runs(block)
+        got = (starts[:, None] + np.arange(run, dtype=np.int64)).reshape(-1)
+        assert got.tolist() == want.tolist(), block
 
 
 def _rank(rank: int, blocks: dict[str, Block], dtype: str = "BF16") -> RankLayout:
