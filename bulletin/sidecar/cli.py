@@ -10,7 +10,13 @@ Engines (``--engine``):
 - ``vllm``: as ``local``, and patch the vLLM server at ``--upstream`` in place through
   its worker extension (``/collective_rpc``);
 - ``torch``: build the model of ``--model-config`` (an HF config) in this process,
-  serve it with the built-in OpenAI-compatible server, and patch it in place.
+  serve it with the built-in OpenAI-compatible server, and patch it in place; with
+  ``--local-dir``, keep every version there too, which a restart restores the model from.
+
+``--layout log`` keeps ``--local-dir`` as a base plus a log of patches (about a patch
+written per version, compacted in the background; docs/FORMAT.md 9.1) for the engines
+that hold the live bits themselves (``torch``, ``vllm``, ``sglang`` in place); those that
+load versions from the folder (``local``, ``--sglang-mode disk``) refuse it at start.
 
 The command only turns its flags into :class:`~bulletin.sidecar.compose.SidecarSettings`;
 :func:`~bulletin.sidecar.compose.build_sidecar` does the wiring. See docs/ENGINES.md
@@ -23,13 +29,13 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import click
 
 from bulletin.cli.options import stores_options, trust_options
 from bulletin.cli.output import json_option
-from bulletin.sidecar.compose import ENGINES
+from bulletin.sidecar.compose import ENGINES, LAYOUTS
 
 __all__ = ["serve"]
 
@@ -68,7 +74,16 @@ def _configure_logging(json_logs: bool, level: str) -> None:
 @click.option(
     "--local-dir",
     type=click.Path(file_okay=False, path_type=Path),
-    help="Folder keeping the current version (local, sglang, vllm).",
+    help="Folder keeping the current version (local, sglang, vllm; torch: optional, what a restart restores).",
+)
+@click.option(
+    "--layout",
+    type=click.Choice(LAYOUTS),
+    default="dense",
+    show_default=True,
+    help="How --local-dir keeps versions: dense (a loadable checkpoint rewritten per version) or log (a base "
+    "plus a log of patches: about a patch written per version, compacted in the background; for torch, vllm "
+    "and sglang in place, which hold the live bits). docs/FORMAT.md 9.1.",
 )
 @click.option("--poll-interval", type=click.FloatRange(min=0.001), default=1.0, show_default=True)
 @click.option(
@@ -149,6 +164,7 @@ def serve(
     host: str,
     port: int,
     local_dir: Path | None,
+    layout: Literal["dense", "log"],
     poll_interval: float,
     default_wait: float,
     max_wait: float,
@@ -202,6 +218,7 @@ def serve(
         engine=engine,
         upstream=upstream,
         local_dir=local_dir,
+        layout=layout,
         torch=torch,
         host=host,
         port=port,

@@ -17,6 +17,7 @@ runs, so the CLI can list the engines without loading the server stack.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import signal
@@ -28,16 +29,18 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Final
 
-from bulletin.errors import ConfigError
+from bulletin.errors import BulletinError, ConfigError
 
 if TYPE_CHECKING:
     from aiohttp import web
 
+    from bulletin.replica_log import Layout
     from bulletin.sidecar.app import Sidecar, SidecarConfig
-    from bulletin.target import WeightTarget
+    from bulletin.target import LocalDirTarget, WeightTarget
 
 __all__ = [
     "ENGINES",
+    "LAYOUTS",
     "BuiltEngine",
     "EngineFactory",
     "SidecarSettings",
@@ -47,6 +50,14 @@ __all__ = [
 ]
 
 log = logging.getLogger("bulletin.sidecar")
+
+#: ``--layout`` choices: how the node's folder keeps versions (docs/FORMAT.md 9 and 9.1).
+LAYOUTS: Final = ("dense", "log")
+#: Why ``--layout log`` cannot serve an engine that reads the folder (FORMAT.md 9.1).
+_LOG_LAYOUT_READERS = (
+    "a log folder is a base plus a log of patches, and has a loadable DIR/current only after a "
+    "compaction, so it cannot serve an engine that loads versions from the folder"
+)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -85,7 +96,13 @@ class SidecarSettings:
     upstream: str | None = None
     """Engine base URL (every engine but ``torch``, whose server this process runs)."""
     local_dir: Path | None = None
-    """Folder keeping the current version (``local``, ``sglang``, ``vllm``)."""
+    """Folder keeping the current version (``local``, ``sglang``, ``vllm``; ``torch``
+    optionally, as the durable copy a restart restores the model from)."""
+    layout: Layout = "dense"
+    """How ``local_dir`` keeps versions: ``dense`` (a loadable checkpoint rewritten per
+    version) or ``log`` (a base plus a log of patches, about a patch written per version,
+    compacted in the background). ``log`` needs an engine that holds the live bits and
+    reads the folder only at a keyframe: ``torch``, ``vllm``, ``sglang`` in place."""
     torch: TorchEngineSettings | None = None
     """The in-process model (``torch`` only)."""
     host: str = "127.0.0.1"
@@ -118,10 +135,26 @@ class SidecarSettings:
         if self.engine not in ENGINES:
             raise ConfigError(f"unknown engine {self.engine!r} (known: {', '.join(ENGINES)})")
         if self.engine == "torch":
-            if self.torch is None or self.upstream is not None or self.local_dir is not None:
-                raise ConfigError("--engine torch takes --model-config, and neither --upstream nor --local-dir")
+            if self.torch is None or self.upstream is not None:
+                raise ConfigError(
+                    "--engine torch takes --model-config (and optionally --local-dir, its durable copy), "
+                    "and neither --upstream nor BULLETIN_UPSTREAM: this process runs its engine"
+                )
         elif self.upstream is None or self.local_dir is None:
             raise ConfigError(f"--engine {self.engine} needs --upstream and --local-dir")
+        if self.layout not in LAYOUTS:
+            raise ConfigError(f"unknown layout {self.layout!r} (known: {', '.join(LAYOUTS)})")
+        if self.layout == "log":
+            if self.local_dir is None:
+                raise ConfigError("--layout log is the layout of --local-dir: give one")
+            if self.engine == "local":
+                raise ConfigError(
+                    f"--layout log cannot serve --engine local, which reads DIR/current: {_LOG_LAYOUT_READERS}"
+                )
+            if self.engine == "sglang" and self.sglang_mode == "disk":
+                raise ConfigError(
+                    f"--layout log cannot serve --sglang-mode disk, which reloads the folder: {_LOG_LAYOUT_READERS}"
+                )
         if not self.store:
             raise ConfigError("the sidecar needs at least one store")
         if self.sglang_mode not in ("auto", "inplace", "disk"):
@@ -150,16 +183,21 @@ class BuiltEngine:
     """The bound loopback socket ``app`` is served on."""
     on_preempt: Callable[[], None] | None = None
     """Ends generations still running when an activation stops waiting for them (``torch``)."""
+    folder: LocalDirTarget | None = None
+    """The node's folder (``--local-dir``) the adapter keeps versions in, if any."""
 
 
 #: Builds one engine's adapter from the settings; may wait for the engine and call it.
 EngineFactory = Callable[[SidecarSettings], BuiltEngine]
 
 
-def _local_dir(settings: SidecarSettings) -> Path:
+def _folder(settings: SidecarSettings) -> LocalDirTarget:
+    """The node's folder, in the settings' layout."""
+    from bulletin.replica_log import open_replica
+
     if settings.local_dir is None:  # pragma: no cover - SidecarSettings checks it
         raise ConfigError(f"--engine {settings.engine} needs --local-dir")
-    return settings.local_dir
+    return open_replica(settings.local_dir, run=settings.run, layout=settings.layout)
 
 
 def _upstream(settings: SidecarSettings) -> str:
@@ -199,34 +237,44 @@ def _loopback_socket(port: int) -> socket.socket:
 
 
 def _local_engine(settings: SidecarSettings) -> BuiltEngine:
-    from bulletin.target import LocalDirTarget
-
     # A local folder changes nothing the engine serves until something reloads it.
-    target = LocalDirTarget(_local_dir(settings), run=settings.run)
-    return BuiltEngine(target, _upstream(settings), in_place=False)
+    folder = _folder(settings)
+    return BuiltEngine(folder, _upstream(settings), in_place=False, folder=folder)
 
 
 def _sglang_engine(settings: SidecarSettings) -> BuiltEngine:
     from bulletin.engines.sglang import SGLangTarget, open_sglang
-    from bulletin.target import LocalDirTarget
 
-    local = LocalDirTarget(_local_dir(settings), run=settings.run)
-    upstream = _upstream(settings)
-    _wait_for_engine(upstream, settings.wait_for_engine)
-    target = open_sglang(local, upstream, mode=settings.sglang_mode, timeout=settings.engine_timeout)
-    if isinstance(target, SGLangTarget):
-        target.reconcile()  # in place, the subscriber's restored() asks the ranks instead
-    return BuiltEngine(target, upstream)
+    local = _folder(settings)
+    try:
+        upstream = _upstream(settings)
+        _wait_for_engine(upstream, settings.wait_for_engine)
+        target = open_sglang(local, upstream, mode=settings.sglang_mode, timeout=settings.engine_timeout)
+        if isinstance(target, SGLangTarget):
+            if settings.layout == "log":
+                raise ConfigError(
+                    f"--layout log cannot serve this SGLang server from disk (--sglang-mode auto found no "
+                    f"Bulletin loader on it: see docs/ENGINES.md): {_LOG_LAYOUT_READERS}"
+                )
+            target.reconcile()  # in place, the subscriber's restored() asks the ranks instead
+    except BaseException:
+        local.close()
+        raise
+    return BuiltEngine(target, upstream, folder=local)
 
 
 def _vllm_engine(settings: SidecarSettings) -> BuiltEngine:
     from bulletin.engines.vllm import VLLMTarget
-    from bulletin.target import LocalDirTarget
 
-    local = LocalDirTarget(_local_dir(settings), run=settings.run)
-    upstream = _upstream(settings)
-    _wait_for_engine(upstream, settings.wait_for_engine)
-    return BuiltEngine(VLLMTarget(local, upstream, timeout=settings.engine_timeout), upstream)
+    local = _folder(settings)
+    try:
+        upstream = _upstream(settings)
+        _wait_for_engine(upstream, settings.wait_for_engine)
+        target = VLLMTarget(local, upstream, timeout=settings.engine_timeout)
+    except BaseException:
+        local.close()
+        raise
+    return BuiltEngine(target, upstream, folder=local)
 
 
 def _torch_engine(settings: SidecarSettings) -> BuiltEngine:
@@ -251,10 +299,23 @@ def _torch_engine(settings: SidecarSettings) -> BuiltEngine:
 
         tokenizer = AutoTokenizer.from_pretrained(str(spec.tokenizer))
     server = CompletionServer(model, tokenizer=tokenizer, model_name=spec.model_name)
-    sock = _loopback_socket(spec.port)
+    live = TorchTarget.from_module(model)
+    folder: LocalDirTarget | None = None
+    target: WeightTarget = live
+    if settings.local_dir is not None:  # the durable copy a restart restores the model from
+        from bulletin.sidecar.folder_backed import FolderBackedTarget
+
+        folder = _folder(settings)
+        target = FolderBackedTarget(live, folder)
+    try:
+        sock = _loopback_socket(spec.port)
+    except BaseException:
+        if folder is not None:
+            folder.close()
+        raise
     upstream = f"http://127.0.0.1:{sock.getsockname()[1]}"
     return BuiltEngine(
-        TorchTarget.from_module(model), upstream, app=server.create_app(), listener=sock, on_preempt=server.preempt
+        target, upstream, app=server.create_app(), listener=sock, on_preempt=server.preempt, folder=folder
     )
 
 
@@ -319,6 +380,7 @@ def build_sidecar(settings: SidecarSettings) -> SidecarStack:
     Engines that run elsewhere (``sglang``, ``vllm``) are waited for and contacted
     here; nothing listens until :meth:`SidecarStack.serve`.
     """
+    from bulletin.replica_log import LogDirTarget
     from bulletin.sidecar.app import Sidecar
     from bulletin.sidecar.metrics import SidecarMetrics
     from bulletin.sidecar.worker import GatedTarget
@@ -329,6 +391,9 @@ def build_sidecar(settings: SidecarSettings) -> SidecarStack:
     metrics = SidecarMetrics()
     engine = ENGINES[settings.engine](settings)
     try:
+        if isinstance(engine.folder, LogDirTarget):
+            engine.folder.on_written = metrics.count_replica_write
+            _restore_from_folder(engine)
         target = GatedTarget(engine.target, metrics, in_place=engine.in_place, on_preempt=engine.on_preempt)
         subscriber = Subscriber(
             settings.store,
@@ -355,5 +420,31 @@ def build_sidecar(settings: SidecarSettings) -> SidecarStack:
     except BaseException:
         if engine.listener is not None:
             engine.listener.close()
+        with contextlib.suppress(Exception):
+            engine.target.close()  # the folder's lock too (idempotent, if the subscriber closed it)
         raise
     return SidecarStack(sidecar, engine, settings.host, settings.port)
+
+
+def _restore_from_folder(engine: BuiltEngine) -> None:
+    """Load a log folder's verified version into an engine that does not hold it (one
+    restarted: a log folder has no DIR/current to start it from), from the folder, before
+    the subscriber asks the engine what it holds: a new base is written (O(model)), nothing
+    is downloaded. An engine that cannot take it is left to a keyframe route."""
+    folder = engine.folder
+    held = folder.restored() if folder is not None else None
+    if folder is None or held is None or engine.target.restored() is not None:
+        return
+    specs, bits = folder.layout(), folder.context_bits()
+    if specs is None or bits is None:  # pragma: no cover - a verified folder holds both
+        return
+    log.info("the engine does not hold version %d of %s: loading it from the folder", held.version, folder.dir)
+    try:
+        engine.target.load_full(bits, specs)
+        engine.target.activate(held.version, manifest_digest=held.manifest_digest)
+    except BulletinError as exc:
+        with contextlib.suppress(BulletinError):
+            engine.target.abort()
+        log.warning(
+            "version %d could not be loaded from %s (%s); a keyframe route loads it", held.version, folder.dir, exc
+        )

@@ -314,6 +314,17 @@ class SidecarMetrics:
                 buckets=(0.01, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0),
             )
         )
+        self.replica_written = r.register(
+            Counter(
+                "bulletin_replica_written_bytes_total",
+                "Bytes the node's folder wrote in the log layout, by what for: version (a log file and the "
+                "state, per applied version), compaction (a new base, in the background), keyframe.",
+                ["kind"],
+            )
+        )
+        self.replica_compactions = r.register(
+            Counter("bulletin_replica_compactions_total", "Compactions of the node's folder committed (log layout).")
+        )
         self.not_ready = r.register(
             Gauge(
                 "bulletin_not_ready",
@@ -326,6 +337,12 @@ class SidecarMetrics:
         self.ready.set(0)
         self._not_ready_code: str | None = None
         self._not_ready_lock = threading.Lock()
+
+    def count_replica_write(self, kind: str, nbytes: int) -> None:
+        """What a log-layout folder wrote (``LogDirTarget.on_written``; any thread)."""
+        self.replica_written.inc(nbytes, kind)
+        if kind == "compaction":
+            self.replica_compactions.inc()
 
     def set_not_ready(self, code: str | None) -> None:
         """Expose ``code`` as the one reason the node is not ready (None: it is ready)."""

@@ -18,7 +18,10 @@ start, and halfway through its changes (half of them written). Requests::
     {"url": ..., "node": ..., "version": 5, "kill_after": 0.01} the zygote kills it then
     {"url": ..., "node": ..., "version": 5}                   run to the end; lists the steps
     {..., "layout": "log"}                  the same on a LogDirTarget (``compact_share`` 1.0
-                                            unless given)
+                                            unless given; compactions in the background)
+    {..., "layout": "log", "through": [5]}  sync to each of these first, then to ``version``
+    {..., "hold_copies": true}              a compaction's file copies wait until the syncs
+                                            are done, so that they run while it does
     {..., "layout": "log", "op": "compact"} open the folder and compact it (no sync)
     {..., "layout": "log", "op": "open"}    open the folder only: its recovery
 
@@ -33,8 +36,10 @@ import io
 import json
 import os
 import re
+import shutil
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -130,12 +135,21 @@ class Steps:
 
 
 def _child(request: dict[str, Any], out_fd: int) -> None:
+    synced = threading.Event()
     steps = Steps(request["node"], request.get("kill_at"), out_fd)
     steps.install()
     op, node = request.get("op", "sync"), request["node"]
     if request.get("layout", "dense") == "dense":
         sub = Subscriber(request["url"], "run", node)
     else:  # the log layout; compaction only where asked for (a share of 1.0 never triggers it)
+        if request.get("hold_copies"):
+            copy = shutil.copyfile
+
+            def held_copy(*args: Any, **kwargs: Any) -> Any:
+                synced.wait()
+                return copy(*args, **kwargs)
+
+            shutil.copyfile = held_copy
         target = LogDirTarget(node, run="run", compact_share=request.get("compact_share", 1.0))
         if op == "compact":
             target.compact()
@@ -143,8 +157,11 @@ def _child(request: dict[str, Any], out_fd: int) -> None:
             target.close()
             return
         sub = Subscriber(request["url"], "run", target=target)
+    for version in request.get("through", []):
+        sub.sync(version)
     sub.sync(request["version"])
-    sub.close()
+    synced.set()
+    sub.close()  # a background compaction ends first
 
 
 def trial(request: dict[str, Any]) -> dict[str, Any]:

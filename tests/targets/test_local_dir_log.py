@@ -89,7 +89,7 @@ def test_compaction_makes_a_loadable_current_of_the_version(tmp_path: Path) -> N
 def test_the_overlay_share_triggers_compaction(tmp_path: Path) -> None:
     with closing(LogDirTarget(tmp_path / "n", run="r", compact_share=0.06)) as target:
         at(target, 4)  # each version changes about 5% of the elements
-        assert target.compactions >= 1
+        assert target.wait_for_compaction(30) and target.compactions >= 1
         assert target.restored() == Held(4, FPS[4])
         assert_bits(TestLogDirTarget().held_bits(target), V[4])
 
