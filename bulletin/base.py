@@ -24,12 +24,25 @@ before. Two halves:
   Nothing is fsynced per version: the verification at open is what makes the cache
   trusted, not durability (a power loss is found the same way), so a version costs
   no forced write of the whole model.
+- **Taken since**: the snapshots taken after the committed version and not committed
+  yet (``publish_async`` queues them). Each holds what it found when it was taken, the
+  change of every host tensor from the snapshot before (O(changed)), or, for a
+  keyframe, its private copy of the bits. The base of the next diff is the committed
+  bits plus those: :meth:`PublishedBase.diff_next` diffs against the committed bits
+  (or the newest copy taken since) and takes the changes since out of the result
+  (deltas wrap, so a change is undone by its negation). The maps are never written
+  with them: a commit writes its own change into the maps and lets its snapshot go;
+  after a failure :meth:`PublishedBase.reset` drops every one, so the next snapshot
+  diffs against the committed bits again, exactly.
 - **Device**: for CUDA tensors, their served bits kept on the GPU
   (:class:`~bulletin.device_kept.DeviceKept`) and diffed there, at snapshot time, so
   that only the change crosses to the host. The device runs ahead of the commit by the
   snapshots queued (each is diffed against the one before it); their fingerprints
   are tracked here, and after a failure :meth:`PublishedBase.reset` drops the device
   bits, so the next snapshot starts again from the committed host bits.
+
+The publisher's thread takes snapshots while its background thread commits: one lock
+makes each commit's write of the maps and each tensor's diff against them atomic.
 
 Whole today; a shard of each tensor (global offsets, per-part fingerprints summed) is
 the same object with a smaller folder.
@@ -46,10 +59,11 @@ import os
 import secrets
 import shutil
 import tempfile
+import threading
 import weakref
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
@@ -68,6 +82,7 @@ from patcher.context_diff import diff_ranked
 from patcher.decode import decode
 from patcher.diff import diff
 from patcher.fingerprint import fingerprint, format_fingerprint, parse_fingerprint
+from patcher.fold import fold
 from patcher.patch import Patch, TensorDelta, TensorSpec
 from schemas.manifest import FileRef, manifest_files
 
@@ -85,6 +100,8 @@ _CACHE_FORMAT: Final = 1
 _VERIFY_THREADS: Final = 4
 
 log = logging.getLogger("bulletin.base")
+
+Bits = NDArray[np.unsignedinteger]
 
 
 def default_cache_root() -> Path:
@@ -202,6 +219,26 @@ class _State:
     fingerprints: dict[str, int]
 
 
+@dataclass(slots=True)
+class _Taken:
+    """A snapshot taken since the committed version, not committed yet: for each host
+    tensor, its change from the snapshot before or its own bits (with their fingerprint
+    once known); a tensor with neither was read lazily (``publish``), and nothing is
+    diffed against it."""
+
+    version: int
+    specs: dict[str, TensorSpec]
+    changes: Mapping[str, TensorDelta]
+    bits: Mapping[str, Bits]
+    fingerprints: dict[str, int] = field(default_factory=dict)
+
+
+def _undone(delta: TensorDelta) -> TensorDelta:
+    """The change that takes ``delta``'s target back to its base (wrapping negation)."""
+    back = np.negative(delta.delta)
+    return TensorDelta(delta.spec, delta.indices, back, delta.target_fingerprint, delta.base_fingerprint)
+
+
 def _read_state(path: Path) -> _State | None:
     """The cache's state, or None for a missing or unreadable one (then it is stale)."""
     try:
@@ -241,11 +278,12 @@ class PublishedBase:
         self.cache_dir = self._lock(folder)
         self._ckpt: Checkpoint | None = None
         self._folder: str | None = None
-        # The device half and the chain of snapshots taken (queued ones included).
+        # The device half, and the snapshots taken since the committed version (queued).
         self._device = DeviceKept(served_dtype)
         self._device_fps: dict[str, int] = {}
-        self._prepared_version = 0
-        self._prepared_specs: dict[str, TensorSpec] | None = None
+        self._taken: list[_Taken] = []
+        # A commit (the background thread) against a snapshot's diffs (the caller's).
+        self._mutex = threading.Lock()
 
     # -- the cache folder ----------------------------------------------------------------
 
@@ -480,46 +518,103 @@ class PublishedBase:
     def advance(self, stored: StoredManifest, *, patch: Patch | None, staged: StagedKeyframe | None) -> None:
         """Make ``stored``, just committed, the base: the folder ``staged`` was written to
         (a keyframe version), or ``patch`` (its transition from the version held) written
-        into the maps, changed elements only. The state names it last."""
-        if staged is not None:
-            self._map(staged.folder.name)
-        elif patch is not None and self._ckpt is not None and self.stored is not None:
-            ckpt = self._ckpt
-            reached = apply(patch, {name: ckpt.bits(name) for name in ckpt}, self.fingerprints)
-            if reached != dict(stored.manifest.fingerprints):  # pragma: no cover - the patch made them
-                raise InternalError(f"version {stored.version}: the base missed the fingerprints it committed")
-        else:
-            raise InternalError(f"version {stored.version} committed with neither a patch of the base nor a keyframe")
-        if self._folder is None:  # pragma: no cover - a version held is in a folder
-            raise InternalError(f"version {stored.version} committed onto a base in no folder")
-        self.stored = stored
+        into the maps, changed elements only. The state names it last; its snapshot (and
+        any older one) is let go."""
+        with self._mutex:
+            if staged is not None:
+                self._map(staged.folder.name)
+            elif patch is not None and self._ckpt is not None and self.stored is not None:
+                ckpt = self._ckpt
+                reached = apply(patch, {name: ckpt.bits(name) for name in ckpt}, self.fingerprints)
+                if reached != dict(stored.manifest.fingerprints):  # pragma: no cover - the patch made them
+                    raise InternalError(f"version {stored.version}: the base missed the fingerprints it committed")
+            else:
+                raise InternalError(
+                    f"version {stored.version} committed with neither a patch of the base nor a keyframe"
+                )
+            if self._folder is None:  # pragma: no cover - a version held is in a folder
+                raise InternalError(f"version {stored.version} committed onto a base in no folder")
+            self.stored = stored
+            self._taken = [taken for taken in self._taken if taken.version > stored.version]
         self._write_state(stored, self._folder, stored.manifest.fingerprints)
         if staged is not None:
             self._sweep()  # the folder of the version before
-        self._prepared_version = max(self._prepared_version, stored.version)
-        if self._prepared_specs is None:
-            self._prepared_specs = dict(stored.manifest.specs)
 
     # -- snapshots taken, and the device half ----------------------------------------------
 
     @property
     def next_version(self) -> int:
         """The version the next snapshot is for (after those queued)."""
-        return self._prepared_version + 1
+        with self._mutex:
+            if self._taken:
+                return self._taken[-1].version + 1
+            return self.stored.version + 1 if self.stored is not None else 1
 
     @property
     def prepared_specs(self) -> Mapping[str, TensorSpec] | None:
         """The layout of the last snapshot taken (or of the committed version)."""
-        return self._prepared_specs
+        with self._mutex:
+            if self._taken:
+                return self._taken[-1].specs
+            return dict(self.stored.manifest.specs) if self.stored is not None else None
 
-    def prepared(self, version: int, specs: Mapping[str, TensorSpec], on_device: set[str]) -> None:
-        """A snapshot of ``version`` was taken: its GPU tensors (``on_device``) are the
-        device's bits now; the device forgets the others."""
-        self._prepared_version = version
-        self._prepared_specs = dict(specs)
+    def prepared(
+        self,
+        version: int,
+        specs: Mapping[str, TensorSpec],
+        on_device: set[str],
+        *,
+        changes: Mapping[str, TensorDelta] | None = None,
+        bits: Mapping[str, Bits] | None = None,
+    ) -> None:
+        """A snapshot of ``version`` was taken: ``changes`` (host or device, each from the
+        snapshot before) and ``bits`` (private copies) are what the next diff's base holds
+        for it until it is committed; its GPU tensors (``on_device``) are the device's
+        bits now; the device forgets the others."""
+        with self._mutex:
+            self._taken.append(_Taken(version, dict(specs), changes or {}, bits or {}))
         for name in [n for n in self._device_fps if n not in on_device]:
             self._device.drop(name)
             del self._device_fps[name]
+
+    def diff_next(self, spec: TensorSpec, bits: NDArray[Any], *, ranked: bool = False) -> TensorDelta | None:
+        """The change of host tensor ``spec`` from the base of the next diff (the committed
+        bits and the snapshots taken since) to ``bits``, in O(changed) beyond one read of
+        each; None when a snapshot taken since holds neither its change nor its bits.
+
+        The diff runs against the committed bits, or the private copy of the newest
+        snapshot since that holds one (a keyframe's). When no snapshot after those changed
+        the tensor, that is the base itself: the diff of :meth:`diff` (``ranked`` as
+        there). Else the plain diff is folded with their changes undone; the context
+        encoder then ranks it itself, against the bits it is coded against (the version
+        before, committed by then)."""
+        name = spec.name
+        with self._mutex:
+            since: list[TensorDelta] = []
+            for taken in reversed(self._taken):
+                if name in taken.bits:
+                    below = taken.bits[name]
+                    if name not in taken.fingerprints:
+                        taken.fingerprints[name] = fingerprint(below)
+                    fp = taken.fingerprints[name]
+                    break
+                if name not in taken.changes:
+                    return None
+                since.append(taken.changes[name])
+            else:
+                if self._ckpt is None or self.specs.get(name) != spec:
+                    raise InternalError(f"{name}: a patch snapshot of a tensor the base does not hold as {spec}")
+                below, fp = self.bits(name), self.fingerprints[name]
+            since.reverse()
+            moved = [delta for delta in since if delta.changed]
+            if not moved:
+                differ = diff_ranked if ranked else diff
+                found = differ({name: spec}, {name: below}, {name: bits}, base_fingerprints={name: fp})
+                return found.tensors[name]
+            plain = diff({name: spec}, {name: below}, {name: bits}, base_fingerprints={name: fp})
+            del below  # a view of the maps: let go before a commit may switch them
+        undo = [Patch({name: _undone(delta)}) for delta in reversed(moved)]
+        return fold([*undo, plain]).tensors[name]
 
     def device_delta(self, spec: TensorSpec, value: Any) -> TensorDelta | None:
         """The change of GPU tensor ``value`` since the last snapshot, found on its device
@@ -541,8 +636,9 @@ class PublishedBase:
 
     def reset(self) -> None:
         """After a failure (or at open): the next snapshot is of the version after the
-        committed one and diffs against its host bits; the device's bits are dropped."""
+        committed one and diffs against its bits; the snapshots taken since and the
+        device's bits are dropped."""
+        with self._mutex:
+            self._taken = []
         self._device = DeviceKept(self._device.served_dtype)
         self._device_fps = {}
-        self._prepared_version = self.stored.version if self.stored is not None else 0
-        self._prepared_specs = dict(self.stored.manifest.specs) if self.stored is not None else None

@@ -3,11 +3,12 @@
 >>> pub = Publisher("s3://bucket/runs", "llama-grpo", keyframe_every=50)
 >>> for step in range(steps):
 ...     train_step()
-...     pub.publish_async(model.state_dict())   # returns once the state is copied; uploads in the background
+...     pub.publish_async(model.state_dict())   # returns once the state is diffed; uploads in the background
 >>> pub.close()                                  # waits for the queue; raises the first error
 
-Each version is diffed, tensor by tensor, against the bits of the last committed one,
-which one object owns (:class:`~bulletin.base.PublishedBase`): memory-mapped files in
+Each version is diffed, tensor by tensor, against the bits of the last committed one
+and of the versions queued since, which one object owns
+(:class:`~bulletin.base.PublishedBase`): memory-mapped files in
 a local cache directory (verified against the run when a publisher starts, rebuilt
 from it when missing or stale), and for CUDA tensors a copy on their GPU. The diff is
 encoded into shards, uploaded, and committed by creating its manifest (the commit
@@ -19,9 +20,12 @@ continues without a gap.
 
 Memory beyond the caller's tensors is bounded: one tensor's cast at a time and the
 changes found (O(changed elements)), never a copy of the model, for :meth:`~Publisher.
-publish` and :meth:`~Publisher.publish_checkpoint` (read through memory maps).
-:meth:`~Publisher.publish_async` takes one private copy of each host tensor (its cast
-to the served dtype, or a plain copy), since the caller changes them meanwhile.
+publish`, :meth:`~Publisher.publish_checkpoint` (read through memory maps) and a patch
+version of :meth:`~Publisher.publish_async`, which diffs each tensor when it is called,
+against the last committed version and the versions queued since, and queues only the
+changes. A keyframe version of ``publish_async`` (the first, a new layout, every
+``keyframe_every``-th) is stored whole, so it holds one private copy of each host
+tensor (its cast to the served dtype, or a plain copy) until it is committed.
 
 A version may carry the model's non-tensor files (``files=``: config, tokenizer, ...;
 :mod:`bulletin.model_files`), which every node folder then holds beside the tensors.
@@ -30,7 +34,8 @@ whose bytes did not change is never uploaded again (the new manifest names the o
 its parent named).
 
 A publish that fails leaves the publisher consistent: the base of the next diff is
-still the last committed version. One whose commit failed with its outcome unknown
+still the last committed version (the versions queued after it were diffed against it:
+they are refused with its error, and the base lets their changes go). One whose commit failed with its outcome unknown
 (``StorageUnavailable``: the manifest may have been created, its response lost) is
 settled before the next publish by committing the same manifest again, which finds
 the manifest if it landed; either way the version is then committed and the chain
@@ -371,16 +376,26 @@ class Publisher:
     def publish_async(
         self, state_dict: Mapping[str, Any], *, metadata: Mapping[str, str] | None = None, files: FilesArg = None
     ) -> Future[PublishResult]:
-        """Snapshot now, publish in the background; blocks only when the bounded queue
-        is full. Errors surface from the future and from flush/close. ``files`` as for
-        :meth:`publish` (read now).
+        """Diff now, encode, upload and commit in the background; blocks only when the
+        bounded queue is full. Errors surface from the future and from flush/close.
+        ``files`` as for :meth:`publish` (read now).
 
-        Returns once the caller may change its tensors again: each host tensor has been
-        copied once (its cast to ``dtype``, or a plain copy when it is served as it is),
-        and each CUDA tensor has been read on its device, the device's kernels finished
-        (its change since the last snapshot, or for a keyframe its served bits, is on
-        the host). Writes to the tensors after that, from any stream or thread, do not
-        reach the version published."""
+        Returns once the caller may change its tensors again, having read each one once
+        (do not change them from another thread while it runs):
+
+        - a host tensor of a patch version was read (a zero-copy view, or its cast to
+          ``dtype``: one tensor's at a time) and diffed against the base of the next
+          diff (the last committed version and the versions queued before this one);
+          only its change is kept (O(changed elements));
+        - a host tensor of a keyframe version (the first, a new layout, every
+          ``keyframe_every``-th) was copied once (its cast, or a plain copy when it is
+          served as it is), held until the keyframe is committed;
+        - a CUDA tensor was read on its device with the device's kernels finished (its
+          change since the last snapshot, or for a keyframe its served bits, is on the
+          host).
+
+        Writes to the tensors after that, from any stream or thread, do not reach the
+        version published."""
         self._check_open()
         self._raise_background_error()
         checked = check_metadata(metadata or {})
@@ -482,7 +497,8 @@ class Publisher:
         self._ready()
         full = (self._base.next_version - 1) % self.keyframe_every == 0
         try:
-            return take_snapshot(state_dict, dtype=self.dtype, base=self._base, full=full, copy=copy)
+            ranked = self.codec in (AUTO_CODEC, CONTEXT_CODEC)
+            return take_snapshot(state_dict, dtype=self.dtype, base=self._base, full=full, copy=copy, ranked=ranked)
         except BaseException:
             self._failed = True  # tensors diffed before a failure moved the device's bits on
             raise
@@ -504,8 +520,8 @@ class Publisher:
         self._resumed = True
 
     def _failure(self, exc: BaseException) -> None:
-        """A publish failed after its snapshot: later snapshots were diffed (on a device)
-        against bits that were not committed. Refuse those; the next snapshot recovers
+        """A publish failed after its snapshot: later snapshots were diffed (on the host or
+        a device) against bits that were not committed. Refuse those; the next snapshot recovers
         first."""
         self._failed = True  # before the epoch moves on (publish_async reads them the other way)
         self._epoch_error = exc
@@ -546,7 +562,7 @@ class Publisher:
                 f"(writer {self.writer}) committed {ours}: another trainer is publishing to the same "
                 "run; this publisher cannot continue (a new Publisher resumes from the run's tip)"
             )
-        self._base.reset()  # GPU tensors start again from the committed bits
+        self._base.reset()  # the snapshots taken since let go: the next diffs against the committed bits
         self._failed = False
 
     def _check_chain(self, committed: StoredManifest) -> None:
@@ -586,8 +602,8 @@ class Publisher:
             raise InternalError(f"a snapshot taken for version {snap.version} reached the commit of {version}")
         same_layout = parent is not None and dict(base.specs) == snap.specs
         is_keyframe = not same_layout or (version - 1) % self.keyframe_every == 0
-        if is_keyframe and snap.device:  # cannot happen: snapshots of keyframes are taken in full
-            raise InternalError("a keyframe version was diffed on the device")
+        if is_keyframe and snap.changes:  # cannot happen: snapshots of keyframes are taken in full
+            raise InternalError("a keyframe version was diffed when its snapshot was taken")
         staged = base.stage(snap.specs, self.keyframe_file_bytes) if is_keyframe else None
         try:
             patch, fps = self._diff(snap, staged, same_layout)
@@ -619,18 +635,19 @@ class Publisher:
     def _diff(
         self, snap: Snapshot, staged: StagedKeyframe | None, same_layout: bool
     ) -> tuple[Patch | None, dict[str, int]]:
-        """Tensor by tensor, in name order: each one's bits taken from the snapshot (a
-        view, its cast, or the copy taken), diffed against the base (same layout),
-        written to the staged keyframe (a keyframe), then dropped. Returns the patch
-        (None for a new layout) and every tensor's fingerprint."""
+        """Tensor by tensor, in name order: the change found when the snapshot was taken,
+        or each one's bits taken from the snapshot (a view, its cast, or the copy taken),
+        diffed against the base (same layout), written to the staged keyframe (a
+        keyframe), then dropped. Returns the patch (None for a new layout) and every
+        tensor's fingerprint."""
         base = self._base
         deltas: dict[str, TensorDelta] = {}
         fps: dict[str, int] = {}
         for name in sorted(snap.specs):
-            delta = snap.device.get(name)
+            delta = snap.changes.get(name)
             if delta is not None:
-                if delta.base_fingerprint != base.fingerprints[name]:  # the device's chain is the commits'
-                    raise InternalError(f"{name}: diffed on the device against bits that are not the base")
+                if delta.base_fingerprint != base.fingerprints[name]:  # the snapshots' chain is the commits'
+                    raise InternalError(f"{name}: diffed when taken against bits that are not the base")
                 deltas[name], fps[name] = delta, delta.target_fingerprint
                 continue
             bits = snap.take(name)

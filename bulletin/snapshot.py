@@ -8,13 +8,17 @@ dropped names so engines can map them back.
 
 A :class:`Snapshot` is taken in two passes: the layout first (every name, type and dtype
 checked, nothing read), so that bad input is refused before anything is diffed; then
-each tensor's source. With ``copy`` (``publish_async``: the caller may change its
-tensors as soon as the snapshot is taken) a host tensor is copied once, by its cast
-or, already in the served dtype, by a plain copy; without (``publish``, a checkpoint's
-memory maps: nothing changes them before the publish ends) its bits are read when the
-publisher reaches it, a zero-copy view, or its cast then. A GPU tensor whose served bits
-the device keeps (:class:`~bulletin.base.PublishedBase`) is diffed there now and only
-the change comes back.
+each tensor's source or change. Without ``copy`` (``publish``, a checkpoint's memory
+maps: nothing changes them before the publish ends) a host tensor's bits are read when
+the publisher reaches it, a zero-copy view, or its cast then. With ``copy``
+(``publish_async``: the caller may change its tensors as soon as the snapshot is taken)
+a host tensor of a patch version is read now (a view, or its cast: one tensor at a
+time) and diffed against the base of the next diff
+(:meth:`~bulletin.base.PublishedBase.diff_next`), and only the change is kept; a
+keyframe's (the first version, a new layout, every ``keyframe_every``-th) is copied
+once, by its cast or, already in the served dtype, by a plain copy, since it is stored
+whole. A GPU tensor whose served bits the device keeps is diffed there now and only the
+change comes back.
 """
 
 from __future__ import annotations
@@ -48,21 +52,22 @@ Source = Callable[[], Bits]
 @dataclass(slots=True)
 class Snapshot:
     """One version as the publisher needs it: every tensor's served spec, and either a
-    source of its host bits (``sources``, taken once each by :meth:`take`) or the change
-    its device found (``device``)."""
+    source of its host bits (``sources``, taken once each by :meth:`take`) or its change
+    from the snapshot before, found when the snapshot was taken (``changes``: on its
+    device, or for ``publish_async`` on the host)."""
 
     version: int
     specs: dict[str, TensorSpec]
     aliases: dict[str, str]  # dropped name -> served name
     sources: dict[str, Source] = field(default_factory=dict)
-    device: dict[str, TensorDelta] = field(default_factory=dict)
+    changes: dict[str, TensorDelta] = field(default_factory=dict)
 
     def take(self, name: str) -> Bits:
         """The served bits of host tensor ``name``, once: the snapshot lets go of them."""
         try:
             return self.sources.pop(name)()
         except KeyError:
-            raise InternalError(f"{name}: taken twice, or diffed on the device") from None
+            raise InternalError(f"{name}: taken twice, or diffed when the snapshot was taken") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,24 +176,21 @@ def _numpy_bits(value: NDArray[Any], source: str, served: str, copy: bool) -> Bi
     return np.array(bits, copy=True) if copy and array is value else bits
 
 
-def _host_source(value: Any, source: str, served: str, copy: bool) -> Source:
+def _read(value: Any, source: str, served: str, copy: bool) -> Bits:
+    """The served bits of one host tensor, read now: a private copy with ``copy``, else a
+    view of the caller's memory where no cast is needed."""
     kind = _kind(value)
     if kind == "torch":
+        return _torch_bits(value, served, copy)
+    if kind == "cupy":
+        return _numpy_bits(value.get(), source, served, False)  # .get() is a private copy
+    return _numpy_bits(value, source, served, copy)
 
-        def read() -> Bits:
-            return _torch_bits(value, served, copy)
-    elif kind == "cupy":
 
-        def read() -> Bits:
-            return _numpy_bits(value.get(), source, served, False)  # .get() is a private copy
-    else:
-
-        def read() -> Bits:
-            return _numpy_bits(value, source, served, copy)
-
+def _host_source(value: Any, source: str, served: str, copy: bool) -> Source:
     if not copy:
-        return read
-    bits = read()  # now: the caller may change its tensor once the snapshot is taken
+        return lambda: _read(value, source, served, False)
+    bits = _read(value, source, served, True)  # now: the caller may change its tensor once the snapshot is taken
     return lambda: bits
 
 
@@ -229,40 +231,53 @@ def snapshot(state_dict: Mapping[str, Any], *, dtype: str = "BF16") -> ServedBit
     arrays), each a private copy: the caller may change its tensors at once."""
     found = layout(state_dict, dtype)
     bits = {
-        name: _host_source(value, found.source_dtypes[name], found.specs[name].dtype, True)()
+        name: _read(value, found.source_dtypes[name], found.specs[name].dtype, True)
         for name, value in found.values.items()
     }
     return ServedBits(found.specs, bits, found.aliases)
 
 
 def take_snapshot(
-    state_dict: Mapping[str, Any], *, dtype: str, base: PublishedBase, full: bool, copy: bool
+    state_dict: Mapping[str, Any], *, dtype: str, base: PublishedBase, full: bool, copy: bool, ranked: bool = False
 ) -> Snapshot:
     """A snapshot of ``state_dict`` (torch tensors on any device, NumPy or CuPy arrays)
     for the base's next version.
 
-    ``copy``: take private copies of host tensors now (see the module's text).
-    ``full``: a keyframe is due, so GPU tensors are not diffed on their device; a layout
-    other than the last snapshot's is published in full too.
+    ``copy``: all that reads the caller's tensors happens now (see the module's text):
+    host tensors of a patch version are diffed against the base of the next diff
+    (``ranked``: as the context codec wants it), a keyframe's copied.
+    ``full``: a keyframe is due, so nothing is diffed now; a layout other than the last
+    snapshot's is published in full too.
     """
     found = layout(state_dict, dtype)
     version = base.next_version
     full = full or dict(found.specs) != base.prepared_specs
     snap = Snapshot(version, found.specs, found.aliases)
     on_device: set[str] = set()
+    copies: dict[str, Bits] = {}
     for name, value in found.values.items():
         spec = found.specs[name]
         if on_gpu(value):
             on_device.add(name)
             delta = None if full else base.device_delta(spec, value)
             if delta is not None:
-                snap.device[name] = delta
+                snap.changes[name] = delta
             elif copy:
-                bits = base.device_keep(name, value)
-                snap.sources[name] = lambda bits=bits: bits  # type: ignore[misc]
+                copies[name] = base.device_keep(name, value)
             else:
                 snap.sources[name] = lambda name=name, value=value: base.device_keep(name, value)  # type: ignore[misc]
             continue
-        snap.sources[name] = _host_source(value, found.source_dtypes[name], spec.dtype, copy)
-    base.prepared(version, found.specs, on_device)
+        source = found.source_dtypes[name]
+        if copy and not full:
+            delta = base.diff_next(spec, _read(value, source, spec.dtype, False), ranked=ranked)
+            if delta is not None:
+                snap.changes[name] = delta
+                continue
+        if copy:
+            copies[name] = _read(value, source, spec.dtype, True)
+        else:
+            snap.sources[name] = _host_source(value, source, spec.dtype, False)
+    for name, bits in copies.items():
+        snap.sources[name] = lambda bits=bits: bits  # type: ignore[misc]
+    base.prepared(version, found.specs, on_device, changes=snap.changes, bits=copies)
     return snap
