@@ -550,6 +550,75 @@ done:
     return result;
 }
 
+/* -- casts (patcher/cast.py defines them, bit for bit) ------------------------------- */
+
+/* F32 bits to BF16: nearest, ties to even; every NaN to 0xFFFF (cast.BF16_NAN). */
+static inline uint16_t cast_f32_bf16(uint32_t x) {
+    const uint32_t r = (x + 0x7FFFu + ((x >> 16) & 1u)) >> 16;
+    return (uint16_t)((x & 0x7FFFFFFFu) > 0x7F800000u ? 0xFFFFu : r);
+}
+
+/* F32 bits to F16: nearest, ties to even, subnormals kept, overflow to infinity; a NaN
+ * keeps its sign and top ten payload bits and becomes quiet. */
+static inline uint16_t cast_f32_f16(uint32_t x) {
+    const uint32_t a = x & 0x7FFFFFFFu, e = a >> 23, r = a - 0x38000000u;
+    const uint32_t normal = (r + 0xFFFu + ((r >> 13) & 1u)) >> 13;
+    const uint32_t d = 126u - e, shift = d < 14u ? 14u : d > 24u ? 24u : d; /* wraps as NumPy's */
+    const uint32_t m = (a & 0x7FFFFFu) | 0x800000u;
+    const uint32_t sub = (m + (1u << (shift - 1u)) - 1u + ((m >> shift) & 1u)) >> shift;
+    uint32_t h = a >= 0x38800000u ? normal : e >= 102u ? sub : 0u;
+    h = a >= 0x477FF000u ? 0x7C00u : h;
+    h = a > 0x7F800000u ? 0x7E00u | ((a >> 13) & 0x3FFu) : h;
+    return (uint16_t)(h | ((x >> 16) & 0x8000u));
+}
+
+PyDoc_STRVAR(cast_doc,
+             "cast(src, dst, kind)\n\n"
+             "patcher.cast's F32 -> BF16 (kind 0) or F32 -> F16 (kind 1) of src's uint32 bits into\n"
+             "dst's uint16 (as many elements).");
+
+static PyObject *py_cast(PyObject *self, PyObject *args) {
+    Py_buffer b[2] = {{0}};
+    int kind;
+    if (!PyArg_ParseTuple(args, "y*w*i", &b[0], &b[1], &kind)) {
+        release(b, 2);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    Py_ssize_t n = items(&b[0], 4, "src");
+    if (n < 0 || check_len(&b[1], n, 2, "dst") < 0) goto done;
+    if (kind != 0 && kind != 1) {
+        PyErr_SetString(PyExc_ValueError, "kind must be 0 (BF16) or 1 (F16)");
+        goto done;
+    }
+    {
+        const unsigned char *src = b[0].buf;
+        unsigned char *dst = b[1].buf;
+        Py_BEGIN_ALLOW_THREADS;
+        /* Loads and stores through memcpy (no alignment assumed); the loops vectorise. */
+        if (kind == 0) {
+            for (Py_ssize_t i = 0; i < n; i++) {
+                uint32_t x;
+                memcpy(&x, src + 4 * i, 4);
+                const uint16_t y = cast_f32_bf16(x);
+                memcpy(dst + 2 * i, &y, 2);
+            }
+        } else {
+            for (Py_ssize_t i = 0; i < n; i++) {
+                uint32_t x;
+                memcpy(&x, src + 4 * i, 4);
+                const uint16_t y = cast_f32_f16(x);
+                memcpy(dst + 2 * i, &y, 2);
+            }
+        }
+        Py_END_ALLOW_THREADS;
+        result = Py_NewRef(Py_None);
+    }
+done:
+    release(b, 2);
+    return result;
+}
+
 PyDoc_STRVAR(check_changes_doc,
              "check_changes(indices, delta, width, numel) -> int\n\n"
              "0 if the int64 indices are strictly increasing within [0, numel) and no delta is\n"
@@ -2666,6 +2735,7 @@ static PyMethodDef methods[] = {
     {"scatter_add", py_scatter_add, METH_VARARGS, scatter_add_doc},
     {"scatter", py_scatter, METH_VARARGS, scatter_doc},
     {"check_changes", py_check_changes, METH_VARARGS, check_changes_doc},
+    {"cast", py_cast, METH_VARARGS, cast_doc},
     {"decode_gaps", py_decode_gaps, METH_VARARGS, decode_gaps_doc},
     {"decode_deltas", py_decode_deltas, METH_VARARGS, decode_deltas_doc},
     {"apply_entry", py_apply_entry, METH_VARARGS, apply_entry_doc},

@@ -12,8 +12,8 @@ moves 0.4% of the elements by about 1%. Version 1 is a keyframe, the rest patche
 Memory is each rank's peak resident set during a publish above what it held before
 (VmHWM after ``clear_refs``, minus VmRSS before), against the 2 bytes per BF16 element
 of the rank's shard: patch steps (the kept bits are already resident then), and the
-keyframe step (which makes the kept bits and maps the keyframe files it writes:
-file-backed pages count in the resident set). The baseline's rank 0 also holds the
+keyframe step (which makes the kept bits, and receives the blocks of the keyframe files
+it writes, one at a time). The baseline's rank 0 also holds the
 gathered FP32 model.
 """
 

@@ -125,6 +125,32 @@ def test_fingerprint_loops_agree_with_the_definition(dtype: str, first: int) -> 
             assert native.speedups.fingerprint(bits, bits.dtype.itemsize, first, vector) == want, (n, vector)
 
 
+@compiled
+@pytest.mark.parametrize("target", ["BF16", "F16"])
+def test_casts_agree(target: str) -> None:
+    # Every BF16 kept pattern with low halves at and around each rounding point, every
+    # F32 exponent with mantissas at F16's rounding points (both signs), and random bits.
+    from patcher.cast import cast_bits
+
+    rng = np.random.default_rng(4)
+    high = np.arange(1 << 16, dtype=np.uint32) << np.uint32(16)
+    lows = np.array([0, 1, 0xFFF, 0x1000, 0x1FFF, 0x2000, 0x7FFF, 0x8000, 0x8001, 0xFFFF], dtype=np.uint32)
+    exponents = np.arange(256, dtype=np.uint32) << np.uint32(23)
+    mantissas = np.array([0, 1, 0xFFF, 0x1000, 0x1001, 0x1FFF, 0x2000, 0x3FFFFF, 0x400000, 0x7FFFFF], dtype=np.uint32)
+    edges = (exponents[:, None] | mantissas[None, :]).reshape(-1)
+    bits = np.concatenate(
+        [
+            (high[:, None] | lows[None, :]).reshape(-1),
+            edges,
+            edges | np.uint32(0x80000000),
+            rng.integers(0, 1 << 32, 1 << 18, dtype=np.uint32),
+        ]
+    )
+    fast = cast_bits(bits, "F32", target)
+    with native.disabled():
+        np.testing.assert_array_equal(fast, cast_bits(bits, "F32", target))
+
+
 # -- apply_shards --------------------------------------------------------------------------
 
 
