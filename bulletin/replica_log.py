@@ -113,7 +113,8 @@ from patcher.apply import apply as apply_patch
 from patcher.apply import check_bases
 from patcher.decode import decode
 from patcher.encode import encode
-from patcher.fingerprint import fingerprint, fingerprint_delta, format_fingerprint, parse_fingerprint
+from patcher.fingerprint import fingerprint, format_fingerprint, parse_fingerprint
+from patcher.fingerprint_update import fingerprint_change
 from patcher.patch import Patch, TensorSpec
 from schemas.local_state import MAX_LOG_ENTRIES, LocalStateV1, LocalStateV3, LogEntryV1, local_state_files
 from schemas.manifest import FileRef
@@ -286,7 +287,7 @@ def _advance(
             continue
         old = top.over(name, below.values_at(name, td.indices), td.indices)
         new = old + td.delta  # wraps mod 2**bits, as the deltas do
-        got = (td.base_fingerprint + fingerprint_delta(td.indices, old, new)) & 0xFFFFFFFFFFFFFFFF
+        got = (td.base_fingerprint + fingerprint_change(td.indices, old, new)) & 0xFFFFFFFFFFFFFFFF
         if got != td.target_fingerprint:
             wrong.append(name)
             continue

@@ -34,7 +34,6 @@ __all__ = [
     "K_INDEX",
     "element_hashes",
     "fingerprint",
-    "fingerprint_delta",
     "fingerprint_rows",
     "format_fingerprint",
     "parse_fingerprint",
@@ -115,19 +114,6 @@ def _fingerprint_from(flat: NDArray[np.unsignedinteger], first: int, size: int, 
         idx = (first + (pos // run) * stride + pos % run).astype(_U64)
         total = (total + _sum64(element_hashes(idx, flat[lo : lo + pos.size]))) & 0xFFFFFFFFFFFFFFFF
     return total
-
-
-def fingerprint_delta(
-    indices: NDArray[np.integer],
-    old: NDArray[np.unsignedinteger],
-    new: NDArray[np.unsignedinteger],
-) -> int:
-    """What to add (mod 2**64) to a fingerprint when ``old`` becomes ``new`` at ``indices``."""
-    if indices.size == 0:
-        return 0
-    gained = _sum64(element_hashes(indices, new))
-    lost = _sum64(element_hashes(indices, old))
-    return (gained - lost) & 0xFFFFFFFFFFFFFFFF
 
 
 def format_fingerprint(fp: int) -> str:

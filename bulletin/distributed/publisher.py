@@ -66,7 +66,7 @@ from patcher.compression import check_codec
 from patcher.diff import diff_bits
 from patcher.dtypes import SERVED_FLOAT_DTYPES
 from patcher.encode import encode
-from patcher.fingerprint import fingerprint_delta
+from patcher.fingerprint_update import fingerprint_change
 from patcher.format import TensorInfo, compute_patch_id
 from patcher.patch import Patch, TensorDelta, TensorSpec
 from schemas.manifest import (
@@ -441,7 +441,7 @@ class ShardedPublisher:
                 new = np.ascontiguousarray(snap.take(name)).reshape(-1)
                 idx, delta = diff_bits(old, new)
                 gidx = global_indices(block, idx)
-                fpd = fingerprint_delta(gidx, old[idx], new[idx])
+                fpd = fingerprint_change(gidx, old[idx], new[idx])
                 del new
                 changes[name] = (idx, delta)
                 outgoing[layout.writers[name]].append((name, gidx, delta, fpd))
