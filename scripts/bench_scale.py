@@ -827,7 +827,7 @@ class Bench:
             shutil.rmtree(store_dir / "py", ignore_errors=True)
 
         # Syncing: a fresh node, then catch-ups, each after unmeasured publishes.
-        sync = ["sync", "--store", url, "--run", "cli", "--to", str(node)]
+        sync = ["sync", "--store", url, "--run", "cli", "--to", str(node), "--layout", args.layout]
         if not figures.get("cli_patch", Figure("", False)).ok:
             for name in ("sync_fresh", "catch_up_1", f"catch_up_{args.catch_up}"):
                 fail(name, "skipped: the CLI publishes did not complete")
@@ -1056,6 +1056,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, help="also write every figure here")
     parser.add_argument("--changed", type=float, default=0.004, help="share of elements changed per version")
     parser.add_argument("--catch-up", type=int, default=10, help="versions behind for the long catch-up")
+    parser.add_argument(
+        "--layout",
+        choices=["dense", "log"],
+        default="dense",
+        help="the node folder's layout for the syncs (bulletin sync --layout; log: about a patch written per version)",
+    )
     parser.add_argument("--keyframe-every", type=int, default=1000)
     parser.add_argument("--shard-gb", type=float, default=1.0, help="largest shard (a model has two at least)")
     parser.add_argument("--seed", type=int, default=0)
@@ -1097,7 +1103,8 @@ def main(argv: list[str] | None = None) -> int:
         subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True, check=False).stdout
     )
     print(
-        f"bench_scale: git {head[:12]}{' (working tree modified)' if dirty else ''}, sizes {sizes} GB, stores {stores}"
+        f"bench_scale: git {head[:12]}{' (working tree modified)' if dirty else ''}, sizes {sizes} GB, "
+        f"stores {stores}, node layout {args.layout}"
     )
     with contextlib.ExitStack() as stack:
         work = Path(stack.enter_context(tempfile.TemporaryDirectory(dir=args.work, prefix="bench-scale-")))
