@@ -111,11 +111,14 @@ from bulletin.target import (
 )
 from patcher.apply import apply as apply_patch
 from patcher.apply import check_bases
+from patcher.context import Overlay, select_ranks
+from patcher.context_decode import CodedChanges, needs_base, resolve, resolve_transition
 from patcher.decode import decode
 from patcher.encode import encode
 from patcher.fingerprint import fingerprint, format_fingerprint, parse_fingerprint
 from patcher.fingerprint_update import fingerprint_change
-from patcher.patch import Patch, TensorSpec
+from patcher.format import TensorInfo
+from patcher.patch import Patch, TensorDelta, TensorSpec, check_layout
 from schemas.local_state import MAX_LOG_ENTRIES, LocalStateV1, LocalStateV3, LogEntryV1, local_state_files
 from schemas.manifest import FileRef
 
@@ -244,12 +247,29 @@ class _Merged(Mapping[str, Bits]):
     def specs(self) -> dict[str, TensorSpec]:
         return self._base.specs
 
+    def base_bits(self, name: str) -> Bits:
+        """The base's bits of ``name``, flat (its map: read only)."""
+        return self._base.bits(name).reshape(-1)
+
     def values_at(self, name: str, indices: NDArray[np.int64]) -> Bits:
         """A copy of the bits at ``indices`` (sorted) of ``name``."""
         values = self._base.bits(name).reshape(-1)[indices]
         for overlay in self._overlays:
             values = overlay.over(name, values, indices)
         return values
+
+    def overlay(self, name: str, step: TensorDelta | None) -> Overlay | None:
+        """The overlays' changes of ``name`` as one overlay of the base (indices, bits),
+        with ``step`` (changes not applied yet) over them; None where there are none."""
+        top = _Overlay()
+        for layer in self._overlays:  # lowest first: each one's values win over those below
+            held = layer.tensors.get(name)
+            if held is not None and held[0].size:
+                top = top.merged(name, *held)
+        if step is not None and step.changed:
+            top = top.merged(name, step.indices, self.values_at(name, step.indices) + step.delta)
+        held = top.tensors.get(name)
+        return held if held is not None and held[0].size else None
 
     def __getitem__(self, name: str) -> Bits:
         if name not in self._base.specs:
@@ -556,6 +576,44 @@ class LogDirTarget(LocalDirTarget):
             if self._checkpoint is None:
                 return None
             return self._layers(self._pending_overlay if self._pending_overlay is not None else self._overlay)
+
+    @property
+    def resolves_context(self) -> bool:
+        # A context-coded patch is resolved against the base's map read through the
+        # overlays: context_bits would copy every changed tensor whole (O(model)).
+        return True
+
+    def resolve_context(
+        self,
+        changes: Sequence[CodedChanges],
+        tensors: Mapping[str, TensorInfo],
+        fingerprints: Mapping[str, int],
+        *,
+        pending: Patch | None = None,
+    ) -> Patch:
+        """One context-coded transition's patch, resolved against the bits held (those
+        :meth:`context_bits` gives) without copying them: each entry's pass over its
+        tensor reads the base's map with the overlays' changes (and ``pending``'s) laid
+        over it. Reads only."""
+        with self._mutex:
+            if self._pending is not None:  # a keyframe's new folder, written in place
+                layers = _Merged(self._pending[1], ())
+            elif self._checkpoint is None:
+                raise InvalidInput("nothing is held yet: load a keyframe first")
+            else:
+                layers = self._layers(self._pending_overlay if self._pending_overlay is not None else self._overlay)
+        check_layout({name: info.spec for name, info in tensors.items()}, layers.specs)
+
+        def entry(ch: CodedChanges, step: TensorDelta | None) -> NDArray[np.int64]:
+            e, dtype = ch.entry, tensors[ch.entry.tensor].spec.dtype
+            if not needs_base(e):
+                return resolve(ch, dtype, None)
+            base = layers.base_bits(e.tensor)
+            window = ch.window
+            overlay = layers.overlay(e.tensor, step)
+            return select_ranks(base, dtype, window, e.start, e.stop, ch.classes, ch.ranks, overlay=overlay)
+
+        return resolve_transition(changes, tensors, fingerprints, entry, pending=pending, holder="the folder")
 
     def full_fingerprints(self) -> dict[str, int]:
         bits = self.context_bits()  # one consistent view, hashed without holding the lock

@@ -11,7 +11,7 @@ fingerprint must be the one the shard was coded against (:func:`check_base`).
 from __future__ import annotations
 
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,15 +24,17 @@ from patcher.context_model import decode_entry, entry_meta, new_decoder
 from patcher.errors import ContextUnavailable, CorruptData, FormatError, InvalidInput, WrongBase
 from patcher.fingerprint import fingerprint, format_fingerprint
 from patcher.format import ContextEntry, ShardHeader, TensorInfo
-from patcher.patch import TensorDelta
+from patcher.patch import Patch, TensorDelta
 
 __all__ = [
     "CodedChanges",
+    "ResolveEntry",
     "check_base",
     "coded_payload",
     "decode_changes",
     "needs_base",
     "resolve",
+    "resolve_transition",
 ]
 
 
@@ -203,3 +205,64 @@ def resolve(
         raise ContextUnavailable(f"{changes.what}: needs its base to decode")
     overlay = _overlay(pending, base)
     return select_ranks(base, dtype, changes.window, e.start, e.stop, changes.classes, changes.ranks, overlay=overlay)
+
+
+#: Resolves one entry's changes against bits held somewhere (a target's): its indices in
+#: the order of ``changes`` (:func:`resolve`'s result), read through the earlier changes
+#: not yet applied to those bits (a fold), where given.
+ResolveEntry = Callable[[CodedChanges, "TensorDelta | None"], NDArray[np.int64]]
+
+
+def resolve_transition(
+    changes: Sequence[CodedChanges],
+    tensors: Mapping[str, TensorInfo],
+    fingerprints: Mapping[str, int],
+    resolve_entry: ResolveEntry,
+    *,
+    pending: Patch | None = None,
+    holder: str = "the target",
+) -> Patch:
+    """The patch of one context-coded transition resolved by a holder of its base bits
+    (``WeightTarget.resolve_context``): ``fingerprints`` is the holder's verified record
+    of the bits it holds, which must be the base of every entry that reads it (through
+    ``pending``, earlier changes not applied yet, where a tensor has some): ``WrongBase``
+    before ``resolve_entry`` reads anything. Reads only."""
+    steps: Mapping[str, TensorDelta] = pending.tensors if pending is not None else {}
+    strays = [ch.what for ch in changes if ch.entry.tensor not in tensors]
+    if strays:
+        raise InvalidInput(f"{strays[0]}: an entry of a tensor the transition does not describe")
+    wrong: list[str] = []
+    for name in sorted({ch.entry.tensor for ch in changes if needs_base(ch.entry)}):
+        want = tensors[name].base_fingerprint
+        step = steps.get(name)
+        if step is not None:
+            if step.target_fingerprint != want:
+                wrong.append(name)
+                continue
+            want = step.base_fingerprint
+        if fingerprints.get(name) != want:
+            wrong.append(name)
+    if wrong:
+        held = fingerprints.get(wrong[0])
+        raise WrongBase(
+            f"{wrong[0]}: the patch was coded against base {format_fingerprint(tensors[wrong[0]].base_fingerprint)}, "
+            f"{holder} holds {'nothing known' if held is None else format_fingerprint(held)}"
+            + (f"; {len(wrong)} tensors differ" if len(wrong) > 1 else "")
+        )
+    found: dict[str, list[tuple[int, NDArray[np.int64], NDArray[np.unsignedinteger]]]] = {name: [] for name in tensors}
+    for ch in changes:
+        if ch.entry.count == 0:
+            continue
+        indices = resolve_entry(ch, steps.get(ch.entry.tensor))
+        order = np.argsort(indices, kind="stable")
+        found[ch.entry.tensor].append((ch.entry.start, indices[order], ch.delta[order]))
+    out: dict[str, TensorDelta] = {}
+    for name, info in tensors.items():
+        parts = sorted(found[name], key=lambda part: part[0])
+        n = sum(part[1].size for part in parts)
+        if n != info.changed:
+            raise FormatError(f"{name}: entries hold {n} changes, the tensor says {info.changed}")
+        indices = np.concatenate([p[1] for p in parts]) if parts else np.empty(0, np.int64)
+        delta = np.concatenate([p[2] for p in parts]) if parts else np.empty(0, info.spec.bits_dtype)
+        out[name] = TensorDelta(info.spec, indices, delta, info.base_fingerprint, info.target_fingerprint)
+    return Patch(out)

@@ -42,7 +42,6 @@ from numpy.typing import NDArray
 
 from bulletin.errors import (
     CorruptData,
-    FormatError,
     IncompatibleTensors,
     InvalidInput,
     UnsupportedDtype,
@@ -51,7 +50,7 @@ from bulletin.errors import (
 )
 from bulletin.target import Held, WeightTarget
 from kernels.dispatch import DTYPE_NAMES
-from patcher.context_decode import CodedChanges, needs_base
+from patcher.context_decode import CodedChanges, needs_base, resolve_transition
 from patcher.context_decode import resolve as entry_indices
 from patcher.fingerprint import fingerprint, fingerprint_rows, format_fingerprint
 from patcher.fingerprint_update import fingerprint_change
@@ -634,26 +633,14 @@ class TorchTarget(WeightTarget):
         if not self.resolves_context:
             raise InvalidInput("tensors that are shards of larger ones cannot resolve context-coded changes")
         _check_same_layout({name: info.spec for name, info in tensors.items()}, self._specs)
-        steps: Mapping[str, TensorDelta] = pending.tensors if pending is not None else {}
-        _check_context_base(changes, tensors, fingerprints, steps)
-        found: dict[str, list[tuple[int, NDArray[np.int64], Bits]]] = {name: [] for name in tensors}
-        for ch in changes:
-            e = ch.entry
-            if e.count == 0:
-                continue
-            indices = self._slots[e.tensor].resolve(ch, steps.get(e.tensor))
-            order = np.argsort(indices, kind="stable")
-            found[e.tensor].append((e.start, indices[order], ch.delta[order]))
-        out: dict[str, TensorDelta] = {}
-        for name, info in tensors.items():
-            parts = sorted(found[name], key=lambda part: part[0])
-            n = sum(part[1].size for part in parts)
-            if n != info.changed:
-                raise FormatError(f"{name}: entries hold {n} changes, the tensor says {info.changed}")
-            indices = np.concatenate([p[1] for p in parts]) if parts else np.empty(0, np.int64)
-            delta = np.concatenate([p[2] for p in parts]) if parts else np.empty(0, info.spec.bits_dtype)
-            out[name] = TensorDelta(info.spec, indices, delta, info.base_fingerprint, info.target_fingerprint)
-        return Patch(out)
+        return resolve_transition(
+            changes,
+            tensors,
+            fingerprints,
+            lambda ch, step: self._slots[ch.entry.tensor].resolve(ch, step),
+            pending=pending,
+            holder="the engine",
+        )
 
     def load_full(self, tensors: Mapping[str, Bits], specs: Mapping[str, TensorSpec]) -> None:
         """Overwrite every tensor with ``tensors`` (bits arrays); checks everything first."""
@@ -758,37 +745,6 @@ class TorchTarget(WeightTarget):
         self.manifest_digest = manifest_digest
         if self._on_activate is not None:
             self._on_activate(version)
-
-
-def _check_context_base(
-    changes: Sequence[CodedChanges],
-    tensors: Mapping[str, TensorInfo],
-    fingerprints: Mapping[str, int],
-    steps: Mapping[str, TensorDelta],
-) -> None:
-    """The record of the bits held is the base of every entry that reads it (through the
-    earlier changes ``steps`` where a tensor has some): ``WrongBase`` before any bits are read."""
-    strays = [ch.what for ch in changes if ch.entry.tensor not in tensors]
-    if strays:
-        raise InvalidInput(f"{strays[0]}: an entry of a tensor the transition does not describe")
-    wrong: list[str] = []
-    for name in sorted({ch.entry.tensor for ch in changes if needs_base(ch.entry)}):
-        want = tensors[name].base_fingerprint
-        step = steps.get(name)
-        if step is not None:
-            if step.target_fingerprint != want:
-                wrong.append(name)
-                continue
-            want = step.base_fingerprint
-        if fingerprints.get(name) != want:
-            wrong.append(name)
-    if wrong:
-        held = fingerprints.get(wrong[0])
-        raise WrongBase(
-            f"{wrong[0]}: the patch was coded against base {format_fingerprint(tensors[wrong[0]].base_fingerprint)}, "
-            f"the engine holds {'nothing known' if held is None else format_fingerprint(held)}"
-            + (f"; {len(wrong)} tensors differ" if len(wrong) > 1 else "")
-        )
 
 
 def _check_same_layout(given: Mapping[str, TensorSpec], held: Mapping[str, TensorSpec]) -> None:

@@ -16,6 +16,7 @@ from numpy.typing import NDArray
 
 from bulletin import Publisher, Subscriber
 from bulletin.errors import ConfigError, ContextUnavailable
+from bulletin.replica_log import LogDirTarget
 from bulletin.run import Run
 from bulletin.storage import open_store
 from bulletin.sync import execute, plan
@@ -86,6 +87,30 @@ def test_nodes_sync_one_and_several_versions_at_a_time(tmp_path: Path, target_ki
     held = target.arrays if isinstance(target, ArrayTarget) else target.context_bits()
     assert held is not None
     assert_bits_equal(dict(held), served[5])
+    target.close()
+
+
+class NoCopies(LogDirTarget):
+    """A log folder that may not hand out its bits (each changed tensor would be a copy)."""
+
+    def context_bits(self) -> Mapping[str, NDArray[np.unsignedinteger]] | None:
+        raise AssertionError("a log folder's bits were copied to decode against")
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_a_log_folder_resolves_context_patches_through_its_overlays(tmp_path: Path, background: bool) -> None:
+    # The base's map read through the overlays (and, for a route of several versions,
+    # through the fold of those before): one behind, four behind, and across compactions
+    # (a small share compacts after every activation, the base then moving under the log).
+    store = tmp_path / "bucket"
+    with Publisher(store, "run", keyframe_every=100, codec="context") as pub:
+        served = _publish(pub, ToyTrainer(seed=2), 9)
+    target = NoCopies(tmp_path / "node", run="run", compact_share=0.001, background=background)
+    sub = Subscriber(store, "run", target=target)
+    for version in (1, 2, 6, 7, 9):
+        sub.sync(version)
+        target.wait_for_compaction()
+        assert_bits_equal(dict(LogDirTarget.context_bits(target) or {}), served[version - 1])
     target.close()
 
 
