@@ -608,10 +608,8 @@ class LogDirTarget(LocalDirTarget):
             e, dtype = ch.entry, tensors[ch.entry.tensor].spec.dtype
             if not needs_base(e):
                 return resolve(ch, dtype, None)
-            base = layers.base_bits(e.tensor)
-            window = ch.window
-            overlay = layers.overlay(e.tensor, step)
-            return select_ranks(base, dtype, window, e.start, e.stop, ch.classes, ch.ranks, overlay=overlay)
+            base, overlay = layers.base_bits(e.tensor), layers.overlay(e.tensor, step)
+            return select_ranks(base, dtype, ch.window, e.start, e.stop, ch.classes, ch.ranks, overlay=overlay)
 
         return resolve_transition(changes, tensors, fingerprints, entry, pending=pending, holder="the folder")
 
