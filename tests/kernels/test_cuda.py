@@ -17,7 +17,7 @@ from bulletin.errors import FormatError, InvalidInput, VerificationFailed
 from kernels import cuda
 from kernels import numpy_twin as twin
 from patcher.context import ClassWindow
-from patcher.fingerprint import fingerprint_delta
+from patcher.fingerprint_update import fingerprint_change
 from tests.kernels.helpers import (
     CASTS,
     SELECT_FIELDS,
@@ -105,7 +105,7 @@ def test_diff_cast_past_2_to_the_31() -> None:
     np.testing.assert_array_equal(host(got.delta), [1, 2, 3, 4])
     assert int(kept[n - 1]) == 4
     values = np.array([1, 2, 3, 4], dtype=np.uint8)
-    assert got.fingerprint_delta == fingerprint_delta(where, np.zeros(4, dtype=np.uint8), values)
+    assert got.fingerprint_delta == fingerprint_change(where, np.zeros(4, dtype=np.uint8), values)
 
 
 @pytest.mark.parametrize("width", [1, 2, 4, 8])
