@@ -446,6 +446,10 @@ class StoreContract(FileTransferContract):
 
     def test_an_object_over_its_bound_is_refused_unread(self, store: Store) -> None:
         store.put_if_absent("big", bytes(8 << 20))
+        # Once before measuring: a client's first request of a kind may load its own
+        # tables (botocore's service model, say), which is not reading the object.
+        with pytest.raises(ObjectTooLarge):
+            store.get("big", max_bytes=1 << 20)
         tracemalloc.start()
         try:
             with pytest.raises(ObjectTooLarge, match=str(8 << 20)):
