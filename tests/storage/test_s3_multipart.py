@@ -254,7 +254,9 @@ def test_parts_in_flight_are_not_held_in_memory(s3_endpoint: str, s3_bucket: str
     finally:
         store.close()
     assert got.size == 6 * PART and (tmp_path / "out").read_bytes() == big.read_bytes()
-    assert up_peak < 2 * PART, up_peak  # a part held whole per thread would be 30 MiB
+    # A part held whole per thread would be 30 MiB; the chunked reads of six threads came
+    # to 9-11 MiB in CI runs (botocore's signing and retry buffers vary with timing).
+    assert up_peak < 3 * PART, up_peak
     assert down_peak < 3 * PART, down_peak  # read-back buffer (one part here) + 1 MiB per thread
 
 
