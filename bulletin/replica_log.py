@@ -8,8 +8,8 @@ each activated version appends one **log file**, its verified patch re-encoded
 (``patcher.encode``, zstd), and ``state.json`` (:class:`~schemas.local_state.LocalStateV3`)
 lists the base and the log entries in order, each with its size and SHA-256. The bits
 of the version held are the base's (memory-mapped, read only) plus in-memory
-**overlays** of the elements changed since the base: about 10 bytes per element
-(an int64 index and the bits), bounded by compaction.
+**overlays** of the elements changed since the base (:mod:`bulletin.overlay`: about 6
+bytes per changed BF16 element, a 4-byte index and the bits), bounded by compaction.
 
 Layout::
 
@@ -79,7 +79,7 @@ import secrets
 import shutil
 import struct
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -100,6 +100,7 @@ from bulletin.errors import (
 )
 from bulletin.fileio import fsync_dir, os_errors, stage_file, write_atomic
 from bulletin.keyspace import check_run_name
+from bulletin.overlay import Layered, Overlay, advance
 from bulletin.target import (
     _ATOMIC_TEMP,
     _TEMP_NAME,
@@ -110,13 +111,11 @@ from bulletin.target import (
     WriteKeyframe,
 )
 from patcher.apply import apply as apply_patch
-from patcher.apply import check_bases
-from patcher.context import Overlay, select_ranks
+from patcher.context import select_ranks
 from patcher.context_decode import CodedChanges, needs_base, resolve, resolve_transition
 from patcher.decode import decode
 from patcher.encode import encode
 from patcher.fingerprint import fingerprint, format_fingerprint, parse_fingerprint
-from patcher.fingerprint_update import fingerprint_change
 from patcher.format import TensorInfo
 from patcher.patch import Patch, TensorDelta, TensorSpec, check_layout
 from schemas.local_state import MAX_LOG_ENTRIES, LocalStateV1, LocalStateV3, LogEntryV1, local_state_files
@@ -142,12 +141,15 @@ Layout = Literal["dense", "log"]
 #: state per applied version), ``compaction`` (a new base), ``keyframe`` (a keyframe's
 #: base, streamed in).
 WriteKind = Literal["version", "compaction", "keyframe"]
-#: Compact once the overlay holds this share of the model's elements (its memory then is
-#: about 5x that share of the model, at 10 bytes per BF16 element).
-DEFAULT_COMPACT_SHARE: Final = 0.05
+#: Compact once the overlay holds this share of the model's elements. The overlays then
+#: hold 3x that share of a BF16 model's size (6 bytes per changed element), and at most
+#: BACKLOG_FACTOR times that: 0.09x the model, which leaves a catch-up's working set
+#: (a round of folded changes, sync.ROUND_SHARE) room under 0.25x. At 0.4% of the
+#: elements changed per version, a compaction every 5 versions or more.
+DEFAULT_COMPACT_SHARE: Final = 0.02
 #: An apply waits for the running compaction once the overlays hold this many times
 #: ``compact_share`` of the elements: what bounds their memory.
-BACKLOG_FACTOR: Final = 2
+BACKLOG_FACTOR: Final = 1.5
 #: First bytes of a log file (docs/FORMAT.md 9.1).
 LOG_MAGIC: Final = b"BLTNLOG\x01"
 #: Shards in one log file at most (the decoder's own cap is higher).
@@ -192,135 +194,6 @@ def decode_log(data: bytes, specs: Mapping[str, TensorSpec], *, source: str) -> 
     return decode(shards, specs=specs)
 
 
-class _Overlay:
-    """Elements changed over what lies below (the base, or the base and a frozen overlay):
-    per tensor, sorted int64 indices and the bits they hold now. Never mutated:
-    :meth:`merged` returns a new overlay, so an apply not activated is dropped by
-    dropping its overlay."""
-
-    def __init__(self, tensors: dict[str, tuple[NDArray[np.int64], Bits]] | None = None) -> None:
-        self.tensors = tensors or {}
-
-    @property
-    def elements(self) -> int:
-        return sum(int(idx.size) for idx, _ in self.tensors.values())
-
-    def over(self, name: str, below: Bits, indices: NDArray[np.int64]) -> Bits:
-        """``below``, the bits under this overlay at ``indices`` (sorted), with this
-        overlay's values where it has some (``below`` is changed and returned)."""
-        held = self.tensors.get(name)
-        if held is not None and held[0].size:
-            idx, vals = held
-            pos = np.minimum(np.searchsorted(idx, indices), idx.size - 1)
-            hit = idx[pos] == indices
-            below[hit] = vals[pos[hit]]
-        return below
-
-    def merged(self, name: str, indices: NDArray[np.int64], values: Bits) -> _Overlay:
-        """This overlay with ``values`` now at ``indices`` (sorted) of ``name``."""
-        held = self.tensors.get(name)
-        if held is None or not held[0].size:
-            new = (indices.copy(), values.copy())
-        else:
-            idx = np.concatenate([indices, held[0]])
-            vals = np.concatenate([values, held[1]])
-            idx, first = np.unique(idx, return_index=True)  # the first occurrence: the new value
-            new = (idx, vals[first])
-        return _Overlay({**self.tensors, name: new})
-
-    def under(self, top: _Overlay) -> _Overlay:
-        """One overlay: this one with ``top`` over it."""
-        out: _Overlay = self
-        for name, (idx, vals) in top.tensors.items():
-            out = out.merged(name, idx, vals)
-        return out
-
-
-class _Merged(Mapping[str, Bits]):
-    """The bits of a version as a base under overlays (lowest first), one tensor at a
-    time (a copy each where an overlay changes it, made when asked for)."""
-
-    def __init__(self, base: Checkpoint, overlays: Sequence[_Overlay]) -> None:
-        self._base, self._overlays = base, tuple(overlays)
-
-    @property
-    def specs(self) -> dict[str, TensorSpec]:
-        return self._base.specs
-
-    def base_bits(self, name: str) -> Bits:
-        """The base's bits of ``name``, flat (its map: read only)."""
-        return self._base.bits(name).reshape(-1)
-
-    def values_at(self, name: str, indices: NDArray[np.int64]) -> Bits:
-        """A copy of the bits at ``indices`` (sorted) of ``name``."""
-        values = self._base.bits(name).reshape(-1)[indices]
-        for overlay in self._overlays:
-            values = overlay.over(name, values, indices)
-        return values
-
-    def overlay(self, name: str, step: TensorDelta | None) -> Overlay | None:
-        """The overlays' changes of ``name`` as one overlay of the base (indices, bits),
-        with ``step`` (changes not applied yet) over them; None where there are none."""
-        top = _Overlay()
-        for layer in self._overlays:  # lowest first: each one's values win over those below
-            held = layer.tensors.get(name)
-            if held is not None and held[0].size:
-                top = top.merged(name, *held)
-        if step is not None and step.changed:
-            top = top.merged(name, step.indices, self.values_at(name, step.indices) + step.delta)
-        held = top.tensors.get(name)
-        return held if held is not None and held[0].size else None
-
-    def __getitem__(self, name: str) -> Bits:
-        if name not in self._base.specs:
-            raise KeyError(name)
-        base = self._base.bits(name)
-        changed = [overlay.tensors[name] for overlay in self._overlays if name in overlay.tensors]
-        if not changed:
-            return base
-        out = np.array(base, copy=True)
-        flat = out.reshape(-1)
-        for idx, vals in changed:
-            flat[idx] = vals
-        return out
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._base.specs)
-
-    def __len__(self) -> int:
-        return len(self._base.specs)
-
-
-def _advance(
-    below: _Merged, top: _Overlay, patch: Patch, fingerprints: Mapping[str, int]
-) -> tuple[_Overlay, dict[str, int]]:
-    """``patch`` applied onto ``below`` + ``top``, reading only: the new top overlay and
-    fingerprints. ``WrongBase`` unless ``fingerprints`` are its bases; a changed tensor
-    whose result misses its target is ``VerificationFailed``."""
-    patch.check_layout(below.specs)
-    check_bases({td.spec.name: td.base_fingerprint for td in patch}, fingerprints)
-    new_fps = dict(fingerprints)
-    wrong: list[str] = []
-    for td in patch:
-        name = td.spec.name
-        if not td.changed:
-            continue
-        old = top.over(name, below.values_at(name, td.indices), td.indices)
-        new = old + td.delta  # wraps mod 2**bits, as the deltas do
-        got = (td.base_fingerprint + fingerprint_change(td.indices, old, new)) & 0xFFFFFFFFFFFFFFFF
-        if got != td.target_fingerprint:
-            wrong.append(name)
-            continue
-        top = top.merged(name, td.indices, new)
-        new_fps[name] = got
-    if wrong:
-        raise VerificationFailed(
-            f"{len(wrong)} tensors miss their target after the patch (first {wrong[0]}): "
-            "the bits held are not the ones their fingerprints record"
-        )
-    return top, new_fps
-
-
 class _Cancelled(Exception):
     """A background compaction stops: a keyframe replaced its base, or the target closes."""
 
@@ -334,7 +207,7 @@ class _Compaction:
     version: int
     fingerprints: dict[str, int]
     """Of ``version``: what the new base must hold."""
-    overlay: _Overlay
+    overlay: Overlay
     """The old base -> ``version`` (frozen when it started)."""
     logged: int
     """Log entries the new base holds (the first ones): those after it stay."""
@@ -402,10 +275,11 @@ class LogDirTarget(LocalDirTarget):
         self._log: list[LogEntryV1] = []
         #: The overlay a compaction writes into the new base (None: none runs, or it
         #: failed and this stays until the next starts), under ``_overlay``.
-        self._frozen: _Overlay | None = None
-        self._overlay = _Overlay()
-        #: An apply onto the held base not yet activated: its overlay and its log file.
-        self._pending_overlay: _Overlay | None = None
+        self._frozen: Overlay | None = None
+        self._overlay = Overlay()
+        #: An apply onto the held base not yet activated: its changes (an overlay over
+        #: ``_overlay``, merged into it by the activation) and its log file.
+        self._pending_overlay: Overlay | None = None
         self._pending_entry: tuple[str, int, str] | None = None
         #: Why the log could not be verified (None: it was).
         self._log_lost: str | None = None
@@ -461,8 +335,7 @@ class LogDirTarget(LocalDirTarget):
     def _replay(self, record: Mapping[str, int]) -> None:
         """Rebuild the overlay from the log, verifying every entry (module docstring)."""
         assert self._checkpoint is not None
-        base = _Merged(self._checkpoint, ())
-        overlay, fps = _Overlay(), dict(self._base_fps)
+        overlay, fps = Overlay(), dict(self._base_fps)
         try:
             for entry in self._log:
                 path = self.dir / entry.file
@@ -474,7 +347,8 @@ class LogDirTarget(LocalDirTarget):
                 if len(data) != entry.size or hashlib.sha256(data).hexdigest() != entry.sha256:
                     raise DigestMismatch(f"{path}: not the log file of version {entry.version} state.json names")
                 patch = decode_log(data, self._checkpoint.specs, source=str(path))
-                overlay, fps = _advance(base, overlay, patch, fps)
+                step, fps = advance(Layered(self._checkpoint, (overlay,)), patch, fps)
+                overlay.absorb(step)
             if fps != dict(record):
                 raise VerificationFailed("the log does not end at the fingerprints state.json records")
         except BulletinError as exc:
@@ -564,9 +438,12 @@ class LogDirTarget(LocalDirTarget):
         with self._mutex:
             return self.dir / self.CURRENT if self._state is not None and not self._log else None
 
-    def _layers(self, top: _Overlay) -> _Merged:
+    def _layers(self) -> Layered:
+        """The version held, or the one a pending apply makes (under the lock)."""
         assert self._checkpoint is not None
-        return _Merged(self._checkpoint, (top,) if self._frozen is None else (self._frozen, top))
+        frozen = () if self._frozen is None else (self._frozen,)
+        step = () if self._pending_overlay is None else (self._pending_overlay,)
+        return Layered(self._checkpoint, (*frozen, self._overlay, *step))
 
     def context_bits(self) -> Mapping[str, Bits] | None:
         with self._mutex:
@@ -575,7 +452,7 @@ class LogDirTarget(LocalDirTarget):
                 return {name: ckpt.bits(name) for name in ckpt.specs}
             if self._checkpoint is None:
                 return None
-            return self._layers(self._pending_overlay if self._pending_overlay is not None else self._overlay)
+            return self._layers()
 
     @property
     def resolves_context(self) -> bool:
@@ -597,11 +474,11 @@ class LogDirTarget(LocalDirTarget):
         over it. Reads only."""
         with self._mutex:
             if self._pending is not None:  # a keyframe's new folder, written in place
-                layers = _Merged(self._pending[1], ())
+                layers = Layered(self._pending[1], ())
             elif self._checkpoint is None:
                 raise InvalidInput("nothing is held yet: load a keyframe first")
             else:
-                layers = self._layers(self._pending_overlay if self._pending_overlay is not None else self._overlay)
+                layers = self._layers()
         check_layout({name: info.spec for name, info in tensors.items()}, layers.specs)
 
         def entry(ch: CodedChanges, step: TensorDelta | None) -> NDArray[np.int64]:
@@ -652,14 +529,14 @@ class LogDirTarget(LocalDirTarget):
             if self._pending_overlay is not None:
                 raise InvalidInput("an apply is pending: activate or abort it before applying again")
             self._make_room()
-            top, new_fps = _advance(self._layers(_Overlay()), self._overlay, patch, fingerprints)
+            step, new_fps = advance(self._layers(), patch, fingerprints)
             data = encode_log(patch)
             name = f"{self.LOG}/{secrets.token_hex(6)}.patch"
             with os_errors(f"cannot create {self.dir / self.LOG}"):
                 (self.dir / self.LOG).mkdir(exist_ok=True)
             write_atomic(self.dir / name, [data])  # fsynced, renamed, the folder fsynced
             self._count("version", len(data))
-            self._pending_overlay = top
+            self._pending_overlay = step
             self._pending_entry = (name, len(data), hashlib.sha256(data).hexdigest())
             self._pending_fps = new_fps
             return new_fps
@@ -738,9 +615,13 @@ class LogDirTarget(LocalDirTarget):
         self._count("version", self._commit(state, None))
         self._state, self._log, self._files = state, entries, files
         self._files_lost = None
-        if self._pending_overlay is not None:
-            self._overlay = self._pending_overlay
-        self._pending_overlay = None
+        step, self._pending_overlay = self._pending_overlay, None
+        if step is not None:
+            try:
+                self._overlay.absorb(step)
+            except BaseException as exc:  # out of memory, half merged: the log on disk is right
+                self._log_lost = f"the overlay could not be updated in memory ({exc!r})"
+                raise
         self._pending_entry = None
         self._pending_fps = None
         self._pending_files = None
@@ -840,7 +721,7 @@ class LogDirTarget(LocalDirTarget):
         self._checkpoint = Checkpoint(self.dir / state.model_dir)
         self._state, self._files, self._files_lost, self._log_lost = state, dict(state.files), None, None
         self._base_version, self._base_fps, self._log = state.version, dict(fps), []
-        self._frozen, self._overlay = None, _Overlay()
+        self._frozen, self._overlay = None, Overlay()
         self._generation += 1
         self._retry_at = 0
         self._pending = None
@@ -889,7 +770,7 @@ class LogDirTarget(LocalDirTarget):
         assert self._state is not None and self._checkpoint is not None
         state = self._state
         frozen = self._overlay if self._frozen is None else self._frozen.under(self._overlay)
-        self._frozen, self._overlay = frozen, _Overlay()
+        self._frozen, self._overlay = frozen, Overlay()
         index = self.dir / state.model_dir / INDEX_NAME
         job = _Compaction(
             name=f"model-{secrets.token_hex(6)}",

@@ -342,14 +342,15 @@ LOG_ROUTES: dict[str, tuple[list[int], dict[str, Any], set[int | None]]] = {
     "convert": ([-4], {"version": 6}, {4, 6}),  # a dense folder at 4 becomes the base
     "compact": ([4, 5, 6], {"version": 6, "op": "compact"}, {6}),
     "auto-compact": ([4, 5], {"version": 6, "compact_share": 0.01}, {5, 6}),
-    # A background compaction of version 5 (60% of the elements changed since base 4; its
-    # copies held back until the syncs end) while 6 is applied and activated: it commits
-    # base 5 with the log [6].
-    "background": ([4], {"version": 6, "through": [5], "compact_share": 0.35, "hold_copies": True}, {4, 5, 6}),
+    # A background compaction of version 5 (60% of the elements changed since base 4, over
+    # the share; its copies held back until the syncs end) while 6 is applied and
+    # activated (60% is under BACKLOG_FACTOR times the share: 6 does not wait for it):
+    # it commits base 5 with the log [6].
+    "background": ([4], {"version": 6, "through": [5], "compact_share": 0.45, "hold_copies": True}, {4, 5, 6}),
     # A background compaction of version 6 made moot by keyframe 1, activated meanwhile.
     "keyframe-mid-compaction": (
         [4, 5],
-        {"version": 1, "through": [6], "compact_share": 0.35, "hold_copies": True},
+        {"version": 1, "through": [6], "compact_share": 0.45, "hold_copies": True},
         {5, 6, 1},
     ),
 }
