@@ -301,6 +301,12 @@ def sync_command(
         if materialize and isinstance(sub.target, LogDirTarget):
             sub.target.compact()
         seconds = time.perf_counter() - t0
+        written = None
+        if isinstance(sub.target, LogDirTarget):
+            # A compaction started by this sync finishes before the process ends (close
+            # waits for it): its writes are this command's, reported apart from the versions'.
+            sub.target.wait_for_compaction()
+            written = dict(sub.target.written)
         downloaded = report.bytes_downloaded if report else 0
         path = local_dir / LocalDirTarget.CURRENT if os.path.lexists(local_dir / LocalDirTarget.CURRENT) else local_dir
         data = {
@@ -320,6 +326,7 @@ def sync_command(
             "verified": None if check is None or check.version is None else check,
             "repaired": check is not None and not check.ok,
             "reset": sub.stats.last_reset,
+            "written": written,
         }
 
         def human() -> None:
