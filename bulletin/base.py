@@ -61,7 +61,7 @@ import shutil
 import tempfile
 import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -139,11 +139,14 @@ class StagedKeyframe:
     """A keyframe being written into a new folder of the cache, tensor by tensor in name
     order (the order of :func:`~bulletin.checkpoint.plan_checkpoint`), each file's
     SHA-256 computed as it is written. The bytes are exactly
-    :func:`~bulletin.checkpoint.safetensors_bytes`'. Uploaded from the files; once its
-    version is committed the folder becomes the base (:meth:`PublishedBase.advance`)."""
+    :func:`~bulletin.checkpoint.safetensors_bytes`'. Uploaded from the files (each data
+    file handed to ``on_file`` once it is closed, for an upload to start while the next
+    is written); once its version is committed the folder becomes the base
+    (:meth:`PublishedBase.advance`)."""
 
     def __init__(self, folder: Path, specs: Mapping[str, TensorSpec], file_bytes: int) -> None:
         self.folder = folder
+        self.on_file: Callable[[KeyframeFile], None] | None = None
         self.specs = dict(specs)
         self._plan = plan_checkpoint(specs, file_bytes)
         self._order = [(i, spec) for i, (_, shard) in enumerate(self._plan) for spec in shard]
@@ -188,7 +191,10 @@ class StagedKeyframe:
         with os_errors(f"cannot write {fh.name}"):
             fh.close()
         path = Path(fh.name)
-        self.files.append(KeyframeFile(self._plan[index][0], path, path.stat().st_size, digest.hexdigest()))
+        done = KeyframeFile(self._plan[index][0], path, path.stat().st_size, digest.hexdigest())
+        self.files.append(done)
+        if self.on_file is not None:
+            self.on_file(done)
 
     def finish(self) -> list[KeyframeFile]:
         """Close the last file, write the index of a split keyframe; the files to upload."""

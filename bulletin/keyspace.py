@@ -50,7 +50,7 @@ SIGNATURES: Final = "signatures/"
 FILES: Final = "files/"
 _RUN_RE: Final = re.compile(RUN_NAME_PATTERN)
 _MANIFEST_RE: Final = re.compile(r"^manifests/(\d{20})\.json$")
-_DATA_RE: Final = re.compile(r"^(?:patches|keyframes|files)/(\d{20})(?:-[0-9a-f]+)?/")
+_DATA_RE: Final = re.compile(r"^(?:patches|keyframes|files)/(\d{20})(?:-[0-9a-f]+){0,2}/")
 
 
 def check_run_name(run: str) -> str:
@@ -81,8 +81,11 @@ def patch_shard_key(version: int, sha256: str) -> str:
     return f"{PATCHES}{version:020d}/{sha256}.bpatch"
 
 
-def keyframe_prefix(version: int, writer: str) -> str:
-    return f"{KEYFRAMES}{version:020d}-{writer}"
+def keyframe_prefix(version: int, writer: str, attempt: str | None = None) -> str:
+    """A keyframe's folder: its version and writer, and the writer's ``attempt`` token
+    where given (a publish that failed half-way and runs again with other bits then
+    never meets the files it left)."""
+    return f"{KEYFRAMES}{version:020d}-{writer}" + (f"-{attempt}" if attempt else "")
 
 
 def file_key(version: int, sha256: str) -> str:

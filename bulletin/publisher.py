@@ -51,7 +51,7 @@ import secrets
 import tempfile
 import threading
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -73,6 +73,7 @@ from bulletin.errors import (
     StorageUnavailable,
     VersionConflict,
 )
+from bulletin.keyframe_upload import KeyframeUpload
 from bulletin.keyspace import file_key, keyframe_prefix, patch_shard_key
 from bulletin.model_files import ModelFiles, select_model_files, with_served_dtype
 from bulletin.run import Run, StoredManifest, sha256_hex
@@ -605,13 +606,21 @@ class Publisher:
         if is_keyframe and snap.changes:  # cannot happen: snapshots of keyframes are taken in full
             raise InternalError("a keyframe version was diffed when its snapshot was taken")
         staged = base.stage(snap.specs, self.keyframe_file_bytes) if is_keyframe else None
+        upload = None
+        if staged is not None:
+            workers = max(1, min(4, self._run.max_workers))
+            prefix = keyframe_prefix(version, self.writer, secrets.token_hex(4))
+            upload = KeyframeUpload(self._put_file, prefix, workers)
+            staged.on_file = upload.send  # each file goes up while the next is written
         try:
             patch, fps = self._diff(snap, staged, same_layout)
             patch_ref = self._upload_patch(version, patch) if patch is not None else None
-            keyframe_ref = self._upload_keyframe(version, staged) if staged is not None else None
+            keyframe_ref = upload.finish(staged.finish()) if staged is not None and upload is not None else None
             file_refs, files_uploaded = self._upload_files(version, files.files)
             manifest = self._manifest(version, parent, snap, fps, patch_ref, keyframe_ref, file_refs, metadata)
         except BaseException:
+            if upload is not None:
+                upload.abort()  # before the folder it reads goes
             if staged is not None:
                 staged.discard()
             raise
@@ -719,24 +728,9 @@ class Publisher:
             )
         return PatchRef(codec=check_codec(codec), shards=tuple(refs), changed_elements=patch.changed_elements)
 
-    def _upload_keyframe(self, version: int, staged: StagedKeyframe) -> KeyframeRef:
-        """The staged keyframe's files, uploaded create-only from the files (a multipart
-        upload on S3 above its threshold), a few in parallel."""
-        prefix = keyframe_prefix(version, self.writer)
-        files = staged.finish()
-
-        def upload_one(file: KeyframeFile) -> ObjectRef:
-            key = f"{prefix}/{file.name}"
-            self._put_file(key, file)
-            return ObjectRef(key=key, size=file.size, sha256=file.sha256)
-
-        with ThreadPoolExecutor(max_workers=max(1, min(4, self._run.max_workers))) as pool:
-            refs = list(pool.map(upload_one, files))
-        return KeyframeRef(prefix=prefix, files=tuple(refs))
-
     def _put_file(self, key: str, file: KeyframeFile) -> None:
         """Create one object from a local file; an existing one is fine only with the same
-        bytes (this writer's own, from a publish of this version retried)."""
+        bytes (the prefix is this attempt's own: another object there is not ours)."""
         absolute = self._run.key(key)
         store = self._run.store
         if isinstance(store.put_file_if_absent(absolute, file.path), Conflicted):
