@@ -75,6 +75,7 @@ from bulletin.device_kept import DeviceKept
 from bulletin.errors import BulletinError, FingerprintMismatch, FormatError, InternalError
 from bulletin.fileio import os_errors, write_atomic
 from bulletin.run import Run, StoredManifest
+from bulletin.shared_files import Privatizer, make_private, remove_temps, shared_files
 from bulletin.sync import plan
 from bulletin.target import Held
 from patcher.apply import apply
@@ -284,6 +285,10 @@ class PublishedBase:
         self.cache_dir = self._lock(folder)
         self._ckpt: Checkpoint | None = None
         self._folder: str | None = None
+        # Whether a file of the folder is shared with a local store (mapped read only
+        # until made private), and the thread making them private.
+        self._shared = False
+        self._privatizer: Privatizer | None = None
         # The device half, and the snapshots taken since the committed version (queued).
         self._device = DeviceKept(served_dtype)
         self._device_fps: dict[str, int] = {}
@@ -317,7 +322,9 @@ class PublishedBase:
         return folder
 
     def close(self) -> None:
-        """Release the maps and the lock; a temporary folder is removed. Idempotent."""
+        """Release the maps and the lock; a temporary folder is removed. Idempotent. A
+        private copy still running stops: the next publisher of the cache makes it."""
+        self._stop_privatizing()
         self._unmap()
         self._release()
 
@@ -328,9 +335,42 @@ class PublishedBase:
 
     def _map(self, folder: str) -> Checkpoint:
         self._unmap()
-        self._ckpt = Checkpoint(self.cache_dir / folder, writable=True)
+        path = self.cache_dir / folder
+        with os_errors(f"cannot read {path}"):
+            remove_temps(path)
+            self._shared = bool(shared_files(path))
+        # A file a local store shares is its object: never written through this map.
+        self._ckpt = Checkpoint(path, writable=not self._shared)
         self._folder = folder
         return self._ckpt
+
+    def _start_privatizing(self) -> None:
+        """Copy the shared files in the background (after a keyframe's commit)."""
+        if self._shared and self._privatizer is None and self._folder is not None:
+            self._privatizer = Privatizer(self.cache_dir / self._folder)
+
+    def _stop_privatizing(self) -> None:
+        if self._privatizer is not None:
+            self._privatizer.stop()
+            self._privatizer = None
+
+    def _writable(self) -> Checkpoint:
+        """The base's map, to write the next version into: every shared file first made
+        private (waiting for the background copy, then copying what it left)."""
+        if self._ckpt is None or self._folder is None:
+            raise InternalError("the base holds no version")
+        if not self._shared:
+            return self._ckpt
+        if self._privatizer is not None:
+            self._privatizer.join()
+            self._privatizer = None
+        for path in shared_files(self.cache_dir / self._folder):
+            make_private(path)
+        # The old map is left to readers of its views (closed, it stays valid for them).
+        ckpt = self._map(self._folder)
+        if self._shared:  # pragma: no cover - every shared file was just copied
+            raise InternalError(f"{self.cache_dir / self._folder}: still shared after its private copy")
+        return ckpt
 
     def _new_folder(self) -> Path:
         return self.cache_dir / f"{_FOLDER_PREFIX}{secrets.token_hex(6)}"
@@ -399,6 +439,7 @@ class PublishedBase:
         """Hold ``tip`` (the run's newest version; None for an empty run): the cache's
         folder when it verifies and the run's patches lead from it to ``tip``, else
         rebuilt from the run (keyframe files streamed to a new folder, then patches)."""
+        self._stop_privatizing()
         self._unmap()
         state = _read_state(self.cache_dir / STATE_NAME)
         held = self._verified(state, tip) if state is not None else None
@@ -417,6 +458,7 @@ class PublishedBase:
         self._write_state(tip, self._folder, tip.manifest.fingerprints)
         self._sweep()
         self.reset()
+        self._start_privatizing()  # a keyframe this cache shares with a local store
 
     def _verified(self, state: _State, tip: StoredManifest | None) -> Held | None:
         """What the cached folder holds: the state's version if every tensor's fingerprint
@@ -462,7 +504,7 @@ class PublishedBase:
             fps = dict(held.fingerprints)
         else:  # pragma: no cover - plan gives a keyframe whenever nothing is held
             raise InternalError(f"{self._run.name}: no route to version {tip.version}")
-        ckpt = self._ckpt
+        ckpt = self._writable() if route.patches else self._ckpt
         assert ckpt is not None
         for step in route.patches:
             ref = step.manifest.patch
@@ -528,9 +570,10 @@ class PublishedBase:
         any older one) is let go."""
         with self._mutex:
             if staged is not None:
+                self._stop_privatizing()  # the folder before's: it goes
                 self._map(staged.folder.name)
             elif patch is not None and self._ckpt is not None and self.stored is not None:
-                ckpt = self._ckpt
+                ckpt = self._writable()
                 reached = apply(patch, {name: ckpt.bits(name) for name in ckpt}, self.fingerprints)
                 if reached != dict(stored.manifest.fingerprints):  # pragma: no cover - the patch made them
                     raise InternalError(f"version {stored.version}: the base missed the fingerprints it committed")
@@ -545,6 +588,7 @@ class PublishedBase:
         self._write_state(stored, self._folder, stored.manifest.fingerprints)
         if staged is not None:
             self._sweep()  # the folder of the version before
+            self._start_privatizing()  # its files, where a local store took them as objects
 
     # -- snapshots taken, and the device half ----------------------------------------------
 

@@ -15,7 +15,8 @@ encoded into shards, uploaded, and committed by creating its manifest (the commi
 point); then the base advances to it and the head moves. Version 1, every
 ``keyframe_every``-th version after it, and any change of tensor layout are also
 stored in full as plain safetensors, written into the cache and uploaded from those
-files. A restarted trainer resumes from the run's newest version, so the chain
+files, each one as soon as it is written (a local store on the same file system takes
+the file itself: :mod:`bulletin.shared_files`). A restarted trainer resumes from the run's newest version, so the chain
 continues without a gap.
 
 Memory beyond the caller's tensors is bounded: one tensor's cast at a time and the
@@ -733,7 +734,9 @@ class Publisher:
         bytes (the prefix is this attempt's own: another object there is not ours)."""
         absolute = self._run.key(key)
         store = self._run.store
-        if isinstance(store.put_file_if_absent(absolute, file.path), Conflicted):
+        # The staged file is never written again (the cache copies it before writing in
+        # place: bulletin/shared_files.py): a local store may take it as it is.
+        if isinstance(store.put_file_if_absent(absolute, file.path, link=True), Conflicted):
             with tempfile.TemporaryDirectory(dir=self._base.cache_dir) as scratch:
                 try:
                     store.get_to_file(absolute, Path(scratch) / "existing", sha256=file.sha256, max_bytes=file.size)

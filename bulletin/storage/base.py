@@ -166,7 +166,7 @@ class Store(Protocol):
         """
         ...
 
-    def put_file_if_absent(self, key: str, path: str | os.PathLike[str]) -> WriteResult:
+    def put_file_if_absent(self, key: str, path: str | os.PathLike[str], *, link: bool = False) -> WriteResult:
         """Create the object from the bytes of the local file ``path`` unless the key exists:
         :meth:`put_if_absent` for a file of any size, read in bounded memory.
 
@@ -178,6 +178,12 @@ class Store(Protocol):
         not a regular file, is ``InvalidInput``; a file that shrinks while it is read
         is refused (``InvalidInput``) and nothing is created. The file must not change
         while it is sent.
+
+        ``link``: the caller gives the file up to the store: it will never write to it
+        again (it may read it, and remove its own name for it). A store on the local file
+        system may then make the file itself the object, fsynced and hard-linked into
+        place instead of copied (the local store does, on the same file system); every
+        other store sends it as without.
         """
         ...
 

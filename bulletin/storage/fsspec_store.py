@@ -292,7 +292,7 @@ class FsspecStore(StoreBase):
         self._check_open()
         raise self._refuse("put_if_match", key)
 
-    def put_file_if_absent(self, key: str, path: str | os.PathLike[str]) -> WriteResult:
+    def put_file_if_absent(self, key: str, path: str | os.PathLike[str], *, link: bool = False) -> WriteResult:
         """Refused: ``StoreNotWritable``, before anything is read or sent."""
         self._check_open()
         raise self._refuse("put_file_if_absent", key)

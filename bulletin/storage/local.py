@@ -328,6 +328,19 @@ class LocalStore(StoreBase):
         os.close(fd)
         return tmp, etag
 
+    def _lost(self, key: str, path: str) -> Conflicted:
+        """The key's name exists: the race is lost (or the key names a folder)."""
+        try:
+            st = os.stat(path, follow_symlinks=False)
+        except FileNotFoundError:  # deleted since: it did exist when we lost
+            return Conflicted(None)
+        if stat_mod.S_ISDIR(st.st_mode):
+            raise InvalidInput(
+                f"{self.url}: key {key!r} is a directory of other objects "
+                "(a local store cannot hold both 'a' and 'a/b')"
+            ) from None
+        return Conflicted(_etag(st))
+
     def _create(self, key: str, fill: Callable[[int], None]) -> WriteResult:
         """Create-only: a temp file that ``fill`` writes, hard-linked to the key's name."""
         parent, path = self._path(key)
@@ -336,20 +349,41 @@ class LocalStore(StoreBase):
             try:
                 os.link(tmp, path)
             except FileExistsError:
-                try:
-                    st = os.stat(path, follow_symlinks=False)
-                except FileNotFoundError:  # deleted since: it did exist when we lost
-                    return Conflicted(None)
-                if stat_mod.S_ISDIR(st.st_mode):
-                    raise InvalidInput(
-                        f"{self.url}: key {key!r} is a directory of other objects "
-                        "(a local store cannot hold both 'a' and 'a/b')"
-                    ) from None
-                return Conflicted(_etag(st))
+                return self._lost(key, path)
             finally:
                 os.unlink(tmp)
             _fsync_dir(parent)
         return Updated(etag)
+
+    def _link_file(self, key: str, source: SourceFile) -> WriteResult | None:
+        """``source`` itself as the object (``link=True``): fsynced, hard-linked
+        create-only to the key's name, then given a fresh timestamp (a new ETag, as for a
+        new inode; never touched where the race is lost: the file is another object then).
+        None where the file systems differ or links are refused: the caller copies."""
+        parent, path = self._path(key)
+        with self._os_errors(key):
+            os.fsync(source.fd)
+            for _ in range(_CREATE_ATTEMPTS):
+                self._makedirs(parent, key)
+                try:
+                    os.link(source.path, path)
+                    break
+                except FileExistsError:
+                    return self._lost(key, path)
+                except FileNotFoundError:
+                    continue  # a concurrent delete pruned the empty directory: make it again
+                except OSError as exc:
+                    if exc.errno in {errno.EXDEV, errno.EPERM, errno.EMLINK, errno.EOPNOTSUPP}:
+                        return None
+                    raise
+            else:
+                raise FileNotFoundError(errno.ENOENT, "the object's folder keeps disappearing", parent)
+            now = time.time_ns()
+            os.utime(source.fd, ns=(now, now))
+            _fsync_dir(parent)
+            if not os.path.samestat(os.fstat(source.fd), os.stat(path)):  # pragma: no cover
+                raise InvalidInput(f"{source.path} was replaced while it was being linked")
+            return Updated(_etag(os.fstat(source.fd)))
 
     def put_if_absent(self, key: str, data: bytes) -> WriteResult:
         """Create the object unless the key exists (``link(2)`` decides the race)."""
@@ -358,12 +392,18 @@ class LocalStore(StoreBase):
         payload = check_data(data)
         return self._create(key, lambda fd: _write_all(fd, payload))
 
-    def put_file_if_absent(self, key: str, path: str | os.PathLike[str]) -> WriteResult:
+    def put_file_if_absent(self, key: str, path: str | os.PathLike[str], *, link: bool = False) -> WriteResult:
         """Create the object from a local file unless the key exists: the file is copied in
-        the kernel (``copy_file_range``) to a temp file, then linked as ``put_if_absent``."""
+        the kernel (``copy_file_range``) to a temp file, then linked as ``put_if_absent``;
+        with ``link``, the file itself is linked where it lies on this file system (no
+        bytes copied)."""
         self._check_open()
         check_key(key)
         with SourceFile(path) as source:
+            if link:
+                linked = self._link_file(key, source)
+                if linked is not None:
+                    return linked
             return self._create(key, lambda fd: _copy_file(source, fd))
 
     def get_to_file(

@@ -143,7 +143,7 @@ class MemoryStore(StoreBase):
             entry = self._bucket.objects[full] = self._new_entry(payload)
         return Updated(entry.etag)
 
-    def put_file_if_absent(self, key: str, path: str | os.PathLike[str]) -> WriteResult:
+    def put_file_if_absent(self, key: str, path: str | os.PathLike[str], *, link: bool = False) -> WriteResult:
         """Create the object from a local file's bytes unless the key exists (the memory
         store holds every object whole, so the file is read whole)."""
         self._check_open()

@@ -619,7 +619,7 @@ class S3Store(StoreBase):
             return upload(self, key, BytesSource(payload))
         return self._put(key, payload, {"IfNoneMatch": "*"})
 
-    def put_file_if_absent(self, key: str, path: str | os.PathLike[str]) -> WriteResult:
+    def put_file_if_absent(self, key: str, path: str | os.PathLike[str], *, link: bool = False) -> WriteResult:
         """Create the object from a local file unless the key exists: one conditional PUT up
         to the multipart threshold, a create-only multipart upload above it; both stream the
         file (the memory held is botocore's small reads, whatever the file's size)."""

@@ -55,8 +55,8 @@ class WrapperStore:
     def put_if_match(self, key: str, data: bytes, etag: str) -> WriteResult:
         return self.inner.put_if_match(key, data, etag)
 
-    def put_file_if_absent(self, key: str, path: str | os.PathLike[str]) -> WriteResult:
-        return self.inner.put_file_if_absent(key, path)
+    def put_file_if_absent(self, key: str, path: str | os.PathLike[str], *, link: bool = False) -> WriteResult:
+        return self.inner.put_file_if_absent(key, path, link=link)
 
     def get_to_file(
         self,
@@ -144,13 +144,13 @@ class CountingStore(WrapperStore):
         self._count(up=len(payload))
         return super().put_if_match(key, payload, etag)
 
-    def put_file_if_absent(self, key: str, path: str | os.PathLike[str]) -> WriteResult:
+    def put_file_if_absent(self, key: str, path: str | os.PathLike[str], *, link: bool = False) -> WriteResult:
         try:
             size = os.stat(path).st_size
         except (OSError, TypeError, ValueError):
             size = 0  # the store refuses the path itself, with its typed error
         self._count(up=size)
-        return super().put_file_if_absent(key, path)
+        return super().put_file_if_absent(key, path, link=link)
 
     def get_to_file(
         self,
@@ -206,7 +206,7 @@ class ReadOnlyStore(WrapperStore):
     def put_if_match(self, key: str, data: bytes, etag: str) -> WriteResult:
         raise self._refuse("put_if_match", key)
 
-    def put_file_if_absent(self, key: str, path: str | os.PathLike[str]) -> WriteResult:
+    def put_file_if_absent(self, key: str, path: str | os.PathLike[str], *, link: bool = False) -> WriteResult:
         raise self._refuse("put_file_if_absent", key)
 
     def delete(self, key: str) -> None:

@@ -58,8 +58,8 @@ class CrashingStore(WrapperStore):
             self._die()
         return result
 
-    def put_file_if_absent(self, key: str, path: str | os.PathLike[str]) -> WriteResult:
-        result = super().put_file_if_absent(key, path)  # keyframe files are uploaded from files
+    def put_file_if_absent(self, key: str, path: str | os.PathLike[str], *, link: bool = False) -> WriteResult:
+        result = super().put_file_if_absent(key, path, link=link)  # keyframe files are uploaded from files
         if self.armed and self.crash_at == "shard" and "/keyframes/" in key:
             self._die()
         return result

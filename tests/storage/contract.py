@@ -142,6 +142,15 @@ class FileTransferContract:
         assert store.put_file_if_absent("twice", source) == Conflicted(created.etag)
         assert store.get("twice").data == b"other"
 
+    def test_a_file_given_up_is_stored_as_it_was_and_create_only(self, store: Store, source: Path) -> None:
+        data = source.read_bytes()
+        created = store.put_file_if_absent("given", source, link=True)
+        assert isinstance(created, Updated)
+        assert store.get("given") == ObjectData(data, created.etag)
+        assert store.put_file_if_absent("given", source, link=True) == Conflicted(created.etag)
+        source.unlink()  # the caller drops its name for it: the object stays
+        assert store.get("given") == ObjectData(data, created.etag)
+
     def test_empty_file(self, store: Store, tmp_path: Path) -> None:
         empty = tmp_path / "empty"
         empty.write_bytes(b"")

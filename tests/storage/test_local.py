@@ -25,6 +25,22 @@ class TestLocalStore(StoreContract):
         store.close()
 
 
+def test_a_file_given_up_on_the_same_file_system_is_linked_not_copied(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path / "bucket")
+    source = tmp_path / "keyframe.safetensors"
+    source.write_bytes(b"x" * 4096)
+    before = source.stat()
+    created = store.put_file_if_absent("runs/a/keyframes/1/model.safetensors", source, link=True)
+    assert isinstance(created, Updated)
+    stored = tmp_path / "bucket" / "runs/a/keyframes/1/model.safetensors"
+    assert stored.stat().st_ino == before.st_ino and source.stat().st_nlink == 2
+    # Without link, a copy: a new inode, the caller's file untouched.
+    copied = store.put_file_if_absent("runs/a/keyframes/1/copy.safetensors", source)
+    assert isinstance(copied, Updated) and created.etag != copied.etag
+    assert (tmp_path / "bucket" / "runs/a/keyframes/1/copy.safetensors").stat().st_ino != before.st_ino
+    assert source.stat().st_nlink == 2
+
+
 def _files(root: Path) -> list[str]:
     return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
 
