@@ -444,6 +444,7 @@ class PublishedBase:
         state = _read_state(self.cache_dir / STATE_NAME)
         held = self._verified(state, tip) if state is not None else None
         if tip is None:
+            self._stop_privatizing()
             self.stored, self._folder = None, None
             self._sweep()
             self.reset()
@@ -458,7 +459,6 @@ class PublishedBase:
         self._write_state(tip, self._folder, tip.manifest.fingerprints)
         self._sweep()
         self.reset()
-        self._start_privatizing()  # a keyframe this cache shares with a local store
 
     def _verified(self, state: _State, tip: StoredManifest | None) -> Held | None:
         """What the cached folder holds: the state's version if every tensor's fingerprint
@@ -471,6 +471,7 @@ class PublishedBase:
             self._unmap()
             return None
         names = list(ckpt)
+        self._start_privatizing()  # a keyframe shared with a local store: copied while this reads
 
         def hashed(name: str) -> int:
             return fingerprint(ckpt.bits(name))
@@ -488,6 +489,7 @@ class PublishedBase:
             state.version,
             ", ".join(wrong[:3]) or "other tensors",
         )
+        self._stop_privatizing()
         self._unmap()
         return None
 
@@ -496,6 +498,7 @@ class PublishedBase:
         else the newest keyframe at or below ``tip`` and the patches after it."""
         route = plan(self._run, tip, held if self._ckpt is not None else None)
         if route.keyframe is not None:
+            self._stop_privatizing()  # the folder goes
             self._unmap()
             self._folder = None
             self._download_keyframe(route.keyframe)
