@@ -136,6 +136,10 @@ class KeyframeFile:
     sha256: str
 
 
+#: Writes at least this large are hashed on another thread while they are written.
+_HASH_APART_BYTES: Final = 1 << 20
+
+
 class StagedKeyframe:
     """A keyframe being written into a new folder of the cache, tensor by tensor in name
     order (the order of :func:`~bulletin.checkpoint.plan_checkpoint`), each file's
@@ -154,6 +158,8 @@ class StagedKeyframe:
         self._next = 0
         self._open: tuple[Any, Any, int] | None = None  # (file object, hash, plan index)
         self.files: list[KeyframeFile] = []
+        # Each tensor's bytes are hashed on this thread while the caller's writes them.
+        self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bulletin-keyframe-sha256")
         with os_errors(f"cannot create {folder}"):
             folder.mkdir(parents=True)
 
@@ -180,9 +186,17 @@ class StagedKeyframe:
         if self._open is None:  # pragma: no cover - write() opens the file first
             raise InternalError("keyframe bytes written with no file open")
         fh, digest, _ = self._open
-        with os_errors(f"cannot write {fh.name}"):
-            fh.write(data)
-        digest.update(data)
+        # Both release the GIL: the hash of these bytes overlaps their write, and is
+        # done when this returns (the caller may drop or change them then).
+        hashing = self._hasher.submit(digest.update, data) if len(data) >= _HASH_APART_BYTES else None
+        try:
+            with os_errors(f"cannot write {fh.name}"):
+                fh.write(data)
+        finally:
+            if hashing is not None:
+                hashing.result()
+        if hashing is None:
+            digest.update(data)
 
     def _close_file(self) -> None:
         if self._open is None:
@@ -208,6 +222,7 @@ class StagedKeyframe:
             with os_errors(f"cannot write {path}"):
                 path.write_bytes(index)
             self.files.append(KeyframeFile(INDEX_NAME, path, len(index), hashlib.sha256(index).hexdigest()))
+        self._hasher.shutdown()
         return list(self.files)
 
     def discard(self) -> None:
@@ -215,6 +230,7 @@ class StagedKeyframe:
             with contextlib.suppress(OSError):
                 self._open[0].close()
             self._open = None
+        self._hasher.shutdown()
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
