@@ -301,9 +301,7 @@ class PublishedBase:
         self.cache_dir = self._lock(folder)
         self._ckpt: Checkpoint | None = None
         self._folder: str | None = None
-        # Whether a file of the folder is shared with a local store (mapped read only
-        # until made private), and the thread making them private.
-        self._shared = False
+        # The thread making the files a local store shares private (see _shared).
         self._privatizer: Privatizer | None = None
         # The device half, and the snapshots taken since the committed version (queued).
         self._device = DeviceKept(served_dtype)
@@ -354,11 +352,16 @@ class PublishedBase:
         path = self.cache_dir / folder
         with os_errors(f"cannot read {path}"):
             remove_temps(path)
-            self._shared = bool(shared_files(path))
+            shared = bool(shared_files(path))
         # A file a local store shares is its object: never written through this map.
-        self._ckpt = Checkpoint(path, writable=not self._shared)
+        self._ckpt = Checkpoint(path, writable=not shared)
         self._folder = folder
         return self._ckpt
+
+    @property
+    def _shared(self) -> bool:
+        """Whether the folder mapped holds files a local store shares (mapped read only)."""
+        return self._ckpt is not None and not self._ckpt.writable
 
     def _start_privatizing(self) -> None:
         """Copy the shared files in the background (after a keyframe's commit)."""

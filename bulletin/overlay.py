@@ -102,10 +102,6 @@ class Overlay:
     def elements(self) -> int:
         return sum(int(idx.size) for idx, _ in self.tensors.values())
 
-    @property
-    def nbytes(self) -> int:
-        return sum(idx.nbytes + vals.nbytes for idx, vals in self.tensors.values())
-
     def absorb(self, top: Overlay) -> None:
         """Lay ``top`` over this overlay, in place, one tensor at a time."""
         for name, (idx, vals) in top.tensors.items():
