@@ -541,13 +541,15 @@ class ShardedPublisher:
                 parts[name] = part_fingerprint(owned[name], kept[name])
         except BaseException as exc:
             error = exc
-        everyone = self._agree(error, "reading its blocks", parts)
+        # Rank 0's attempt token names the keyframe's folder on every rank: a step that
+        # failed half-way and runs again with other bits never meets the files it left.
+        everyone = self._agree(error, "reading its blocks", (parts, secrets.token_hex(4)))
         self._at("diffed", version)
-        fps = _sums(everyone)
+        fps = _sums([part for part, _ in everyone])
         files = plan_checkpoint(layout.specs, self.keyframe_file_bytes)
         folder = Path(tempfile.mkdtemp(prefix="bulletin-keyframe-", dir=self._scratch))
         refs: list[tuple[int, ObjectRef]] = []
-        prefix = keyframe_prefix(version, self.writer)
+        prefix = keyframe_prefix(version, self.writer, everyone[0][1])
         try:
             error = self._write_keyframe_files(files, layout, kept, folder)
             self._at("exchanged", version)

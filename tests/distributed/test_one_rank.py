@@ -34,6 +34,7 @@ from patcher.format import TensorInfo, compute_patch_id
 from patcher.patch import Patch, TensorSpec
 from tests.run.helpers import ToyTrainer, assert_bits_equal
 from tests.run.test_ambiguous_commit import LostCommitResponse
+from tests.run.test_keyframe_upload import Watching
 
 pytest.importorskip("torch.distributed")
 
@@ -187,3 +188,20 @@ def test_a_commit_whose_response_was_lost_is_settled_by_the_next_publish(tmp_pat
     assert sub.sync() == 3
     assert_bits_equal(sub.target.arrays, trainer.served())  # type: ignore[attr-defined]
     sub.close()
+
+
+def test_a_keyframe_that_failed_half_way_is_published_again_with_other_bits(tmp_path: Path) -> None:
+    """Each attempt writes its keyframe under a folder of its own: the retry, with other
+    bits, never meets the files the failed attempt left (a Conflict before)."""
+    store = Watching(open_store(tmp_path), fail="model-00002")
+    trainer = ToyTrainer(seed=6)
+    with ShardedPublisher(store, "r", keyframe_file_bytes=1 << 12) as pub:
+        with pytest.raises(StorageUnavailable, match="injected"):
+            pub.publish(trainer.state)
+        assert any(name.startswith("model-00001") for name, _ in store.seen), "nothing was left half-way"
+        store.fail = None
+        trainer.step()
+        assert pub.publish(trainer.state) == 1
+    with Subscriber(tmp_path, "r") as sub:
+        assert sub.sync() == 1
+        assert_bits_equal(sub.target.arrays, trainer.served())  # type: ignore[attr-defined]
