@@ -11,6 +11,7 @@ import sys
 from setuptools import Extension, setup
 
 flags = [] if sys.platform == "win32" else ["-O3", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"]
+libraries = [] if sys.platform == "win32" else ["m"]  # log2, for the window choice
 
 setup(
     ext_modules=[
@@ -21,6 +22,7 @@ setup(
             define_macros=[("Py_LIMITED_API", "0x030B0000")],
             py_limited_api=True,
             extra_compile_args=flags,
+            libraries=libraries,
             optional=os.environ.get("BULLETIN_REQUIRE_NATIVE") != "1",
         )
     ],

@@ -20,6 +20,7 @@
 #endif
 #include <Python.h>
 
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1132,6 +1133,9 @@ done:
 #define CTX_DTYPES 15
 #define CTX_COUNT (CTX_DELTA + CTX_DTYPES * 256 * CTX_DELTA_SLOTS)
 #define CTX_MAX_CLASSES 16
+/* Windows whose bits are this close to the least (relative, and absolute in bits) tie:
+ * the lowest wins, so float rounding never decides between equivalent windows. */
+#define WINDOW_TIE 1e-9
 #define MAX_GAP_BITS 63
 #define GAP_SUM_CAP (1ULL << 32)
 #define GAP_WINDOW 64
@@ -2699,6 +2703,83 @@ done:
     return result;
 }
 
+/* -- ctx_window: choose_window's pick from two exponent histograms (patcher.context.window_of) -- */
+
+/* n * h(k / n) in bits; 0 where no element, or none or every one, changed. */
+static double bernoulli_bits(double n, double k) {
+    if (!(k > 0.0) || !(k < n)) return 0.0;
+    const double p = k / n;
+    return -(k * log2(p) + (n - k) * log2(1.0 - p));
+}
+
+PyDoc_STRVAR(ctx_window_doc, "ctx_window(sampled, changed, scale) -> (lo, classes)\n\n"
+                             "window_of on int64 histograms of one length (<= 2048), in the same\n"
+                             "operations and order; the changes' histogram is not all zeros.");
+
+static PyObject *py_ctx_window(PyObject *self, PyObject *args) {
+    Py_buffer b[2] = {{0}};
+    long long scale;
+    if (!PyArg_ParseTuple(args, "y*y*L", &b[0], &b[1], &scale)) {
+        release(b, 2);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    enum { MOST = 2048 }; /* 2**11: the widest exponent (F64) */
+    double nk[2][MOST + 1], each[MOST + 1];
+    Py_ssize_t len = items(&b[0], 8, "sampled");
+    if (len < 0 || check_len(&b[1], len, 8, "changed") < 0) goto done;
+    if (len > MOST || scale < 1) {
+        PyErr_SetString(PyExc_ValueError, "histograms of at most 2048 counts, and a scale >= 1");
+        goto done;
+    }
+    {
+        const int64_t *sampled = b[0].buf, *changed = b[1].buf;
+        Py_ssize_t e_min = -1, e_max = -1;
+        for (Py_ssize_t e = 0; e < len; e++) {
+            if (sampled[e] < 0 || changed[e] < 0 || sampled[e] > INT64_MAX / scale) {
+                PyErr_SetString(PyExc_ValueError, "counts must be >= 0 and small enough to scale");
+                goto done;
+            }
+            if (sampled[e] * scale > 0 || changed[e] > 0) {
+                if (e_min < 0) e_min = e;
+                e_max = e;
+            }
+        }
+        if (e_min < 0) {
+            PyErr_SetString(PyExc_ValueError, "the histograms are empty");
+            goto done;
+        }
+        if (e_max - e_min < CTX_MAX_CLASSES) {
+            result = Py_BuildValue("(nn)", e_min, e_max - e_min + 1);
+            goto done;
+        }
+        const Py_ssize_t span = e_max - e_min + 1, rows = span - CTX_MAX_CLASSES + 1;
+        nk[0][0] = nk[1][0] = each[0] = 0.0;
+        for (Py_ssize_t j = 0; j < span; j++) {  /* running sums, in numpy.cumsum's order */
+            const int64_t m = sampled[e_min + j] * scale, c = changed[e_min + j];
+            const double n = (double)(m > c ? m : c), k = (double)c;
+            nk[0][j + 1] = nk[0][j] + n;
+            nk[1][j + 1] = nk[1][j] + k;
+            each[j + 1] = each[j] + bernoulli_bits(n, k);
+        }
+        double best = 0.0;
+        double bits[MOST];
+        for (Py_ssize_t r = 0; r < rows; r++) {
+            const Py_ssize_t top = r + CTX_MAX_CLASSES - 1;
+            bits[r] = bernoulli_bits(nk[0][r + 1], nk[1][r + 1]) + (each[top] - each[r + 1]) +
+                      bernoulli_bits(nk[0][span] - nk[0][top], nk[1][span] - nk[1][top]);
+            if (r == 0 || bits[r] < best) best = bits[r];
+        }
+        const double limit = best + best * WINDOW_TIE + WINDOW_TIE;
+        Py_ssize_t r = 0;
+        while (bits[r] > limit) r++;
+        result = Py_BuildValue("(nn)", e_min + r, (Py_ssize_t)CTX_MAX_CLASSES);
+    }
+done:
+    release(b, 2);
+    return result;
+}
+
 PyDoc_STRVAR(ctx_sample_doc,
              "ctx_sample(base, new, width, shift, ebits, start, stop, stride, run, counts_out, changed_out)\n\n"
              "ctx_histogram's sample of base[start:stop] into counts_out, and the exponents of the\n"
@@ -2749,6 +2830,7 @@ static PyMethodDef methods[] = {
     {"ctx_histogram", py_ctx_histogram, METH_VARARGS, ctx_histogram_doc},
     {"ctx_diff", py_ctx_diff, METH_VARARGS, ctx_diff_doc},
     {"ctx_sample", py_ctx_sample, METH_VARARGS, ctx_sample_doc},
+    {"ctx_window", py_ctx_window, METH_VARARGS, ctx_window_doc},
     {NULL, NULL, 0, NULL},
 };
 

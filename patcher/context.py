@@ -70,6 +70,10 @@ CHUNK: Final = 1 << 20
 #: would read all of memory anyway). CHUNK is a multiple of the stride.
 WINDOW_RUN: Final = 64
 WINDOW_STRIDE: Final = 4096
+#: Windows whose estimated bits lie this close to the least (relatively, and in bits) are
+#: taken as equal and the lowest of them is chosen: rounding, which differs between the
+#: compiled and NumPy paths, never decides between equivalent windows.
+WINDOW_TIE: Final = 1e-9
 
 _I64 = np.int64
 _NO_INDEX: Final = np.empty(0, dtype=np.int64)
@@ -337,7 +341,7 @@ def window_bits(
     cls = np.clip(np.arange(members.size) - window.lo, 0, window.classes - 1)
     n = np.bincount(cls, weights=members, minlength=window.classes)
     k = np.bincount(cls, weights=changed, minlength=window.classes)
-    return float(_bernoulli_bits(n[None, :].astype(_I64), k[None, :].astype(_I64))[0])
+    return float(_bernoulli_bits(n, k).sum())
 
 
 def window_of(
@@ -348,31 +352,43 @@ def window_of(
     changes' are not all zero)."""
     # A sample estimates the range's histogram: the choice needs proportions, not
     # counts, and this keeps it off the encoder's O(model) budget.
+    if native.active():
+        return ClassWindow(
+            *native.speedups.ctx_window(sampled.astype(_I64, copy=False), changed.astype(_I64, copy=False), scale)
+        )
     members = np.maximum(sampled * scale, changed)
     present = np.flatnonzero(members)
     e_min, e_max = int(present[0]), int(present[-1])
     if e_max - e_min < MAX_CLASSES:
         return ClassWindow(e_min, e_max - e_min + 1)
-    # Every window at once: row r is lo = e_min + r, its first and last classes taking
-    # every exponent below and above the window.
-    cum_n = np.concatenate([[0], np.cumsum(members)])
-    cum_k = np.concatenate([[0], np.cumsum(changed)])
-    los = np.arange(e_min, e_max - MAX_CLASSES + 2)
-    inner = los[:, None] + np.arange(1, MAX_CLASSES - 1)
-    n = np.concatenate([cum_n[los + 1, None], members[inner], cum_n[-1] - cum_n[los + MAX_CLASSES - 1, None]], axis=1)
-    k = np.concatenate([cum_k[los + 1, None], changed[inner], cum_k[-1] - cum_k[los + MAX_CLASSES - 1, None]], axis=1)
-    return ClassWindow(int(los[int(np.argmin(_bernoulli_bits(n, k)))]), MAX_CLASSES)
+    # Every window at once, lo = e_min + r for row r: its first and last classes take
+    # every exponent below and above it, the classes between one exponent each, whose
+    # bits are a difference of one running sum (a few array operations in all: the
+    # choice runs once or twice per tensor, so its fixed cost counts on small ones).
+    span = e_max - e_min + 1
+    rows = span - MAX_CLASSES + 1
+    # Columns: the span's exponents, then each row's first class, then its last.
+    nk = np.zeros((2, span + 1), dtype=np.float64)
+    nk[0, 1:], nk[1, 1:] = members[e_min : e_max + 1], changed[e_min : e_max + 1]
+    cum = np.cumsum(nk, axis=1)  # exact: counts stay far below 2**53
+    first, top = np.arange(1, rows + 1), np.arange(MAX_CLASSES - 1, MAX_CLASSES - 1 + rows)
+    cols = np.concatenate([nk[:, 1:], cum[:, first], cum[:, -1:] - cum[:, top]], axis=1)
+    h = _bernoulli_bits(cols[0], cols[1])
+    each = np.concatenate([[0.0], np.cumsum(h[:span])])
+    bits = h[span : span + rows] + (each[top] - each[first]) + h[span + rows :]
+    best = float(bits.min())
+    # Equivalent windows tie within rounding: the lowest of them wins, on every path.
+    return ClassWindow(e_min + int(np.flatnonzero(bits <= best + best * WINDOW_TIE + WINDOW_TIE)[0]), MAX_CLASSES)
 
 
-def _bernoulli_bits(n: NDArray[np.int64], k: NDArray[np.int64]) -> NDArray[np.float64]:
-    """``sum n * h(k / n)`` in bits over the classes (last axis) with elements."""
-    nn, kk = n.astype(np.float64), k.astype(np.float64)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        p = kk / nn
-        bits = -(kk * np.log2(p) + (nn - kk) * np.log2(1 - p))
-    keep = (n > 0) & (k > 0) & (k < n)
-    out: NDArray[np.float64] = np.where(keep, bits, 0.0).sum(axis=-1)
-    return out
+def _bernoulli_bits(n: NDArray[np.float64], k: NDArray[np.float64]) -> NDArray[np.float64]:
+    """``n * h(k / n)`` in bits, per class (0 where a class has no elements, or none or
+    all of them changed)."""
+    keep = (k > 0) & (k < n)
+    p = np.divide(k, n, out=np.full_like(k, 0.5), where=keep)  # 0.5 elsewhere: no log of 0
+    bits: NDArray[np.float64] = -(k * np.log2(p) + (n - k) * np.log2(1 - p))
+    bits[~keep] = 0.0
+    return bits
 
 
 # -- for measuring the model (scripts/bench_codec.py) -------------------------------------

@@ -62,10 +62,11 @@ _ENTRY_JSON_BOUND: Final = len(canonical_json(EntryInfo("", *(7 * [_WIDEST])).do
 #: First guess of compressed / raw stream bytes; then learnt from each shard built.
 _FIRST_RATIO: Final = 0.6
 #: zstd level of a context-coded shard's header: its payload is already entropy coded,
-#: so the header (mostly names and fingerprints) is a tenth of it. On MiniLM's 103-tensor
-#: header (26 KB) level 15 writes 3,275 bytes in 2 ms, 19 writes 3,214 in 9 ms (a third
-#: of that patch's whole encode) and 3 writes 3,660.
-CONTEXT_HEADER_LEVEL: Final = 15
+#: so the header (mostly names and fingerprints) is a tenth of it, and on a small model
+#: its compression is a large share of the encode. On a MiniLM one-step patch (103
+#: tensors, 82K changes) level 9 gives 0.946 bytes per change against level 15's 0.942
+#: and 3's 0.948, and takes 1 ms against 4 ms (15) of a 36 ms encode, diff included.
+CONTEXT_HEADER_LEVEL: Final = 9
 #: encode_smallest also encodes with zstd when the context codec takes more than this
 #: many bytes per change: on real one-step and folded transitions it takes 0.75-0.94
 #: and zstd 1.2-1.4, so one encode is enough; denser or odd patches get both.

@@ -243,3 +243,72 @@ def test_reading_past_the_end_or_stopping_early_is_a_format_error() -> None:
         dec.direct(8)
     with pytest.raises(FormatError, match="after the last change"):
         dec.finish()
+
+
+def _slow_window(sampled: NDArray[np.int64], changed: NDArray[np.int64], scale: int) -> tuple[int, int]:
+    """window_of by its definition, in plain Python: of the windows of at most 16
+    classes over the exponents present, the one of least ``sum n h(k / n)``, the lowest
+    of those within WINDOW_TIE of it."""
+    import math
+
+    from patcher.context import MAX_CLASSES, WINDOW_TIE
+
+    members = [max(int(s) * scale, int(c)) for s, c in zip(sampled, changed, strict=True)]
+    present = [e for e, m in enumerate(members) if m]
+    lo, hi = present[0], present[-1]
+    if hi - lo < MAX_CLASSES:
+        return lo, hi - lo + 1
+
+    def h(n: float, k: float) -> float:
+        return 0.0 if not 0 < k < n else -(k * math.log2(k / n) + (n - k) * math.log2(1 - k / n))
+
+    bits = {}
+    for w in range(lo, hi - MAX_CLASSES + 2):
+        classes = [[0, 0] for _ in range(MAX_CLASSES)]
+        for e in range(len(members)):
+            c = classes[min(max(e - w, 0), MAX_CLASSES - 1)]
+            c[0] += members[e]
+            c[1] += int(changed[e])
+        bits[w] = sum(h(n, k) for n, k in classes)
+    best = min(bits.values())
+    return min(w for w, b in bits.items() if b <= best + best * WINDOW_TIE + WINDOW_TIE), MAX_CLASSES
+
+
+@pytest.mark.compiled_vs_numpy  # compares the two paths itself
+@settings(max_examples=300, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    span=st.integers(1, 60),
+    scale=st.sampled_from([1, 8, 64]),
+    share=st.sampled_from([0.0005, 0.01, 0.3]),
+)
+def test_the_window_choice_is_its_definition_compiled_or_not(seed: int, span: int, scale: int, share: float) -> None:
+    from patcher.context import window_of
+
+    rng = np.random.default_rng(seed)
+    lo = int(rng.integers(0, 256 - span))
+    sampled, changed = np.zeros(256, np.int64), np.zeros(256, np.int64)
+    sampled[lo : lo + span] = rng.integers(0, 10 ** int(rng.integers(1, 7)), span)
+    sampled[lo : lo + span][rng.random(span) < 0.2] = 0  # gaps, and runs of equivalent windows
+    changed[lo : lo + span] = (sampled[lo : lo + span] * scale * rng.random(span) * share).astype(np.int64)
+    changed[lo + int(rng.integers(0, span))] += 1
+    want = _slow_window(sampled, changed, scale)
+    got = window_of(sampled, changed, scale)
+    with native.disabled():
+        reference = window_of(sampled, changed, scale)
+    assert (got.lo, got.classes) == (reference.lo, reference.classes) == want
+
+
+@pytest.mark.compiled_vs_numpy  # the compiled path's own checks
+def test_the_compiled_window_choice_refuses_what_it_cannot_read() -> None:
+    if not native.active():
+        pytest.skip("the compiled path is not built")
+    ok = np.ones(256, np.int64)
+    with pytest.raises(ValueError, match="at most 2048"):
+        native.speedups.ctx_window(np.ones(4096, np.int64), np.ones(4096, np.int64), 1)
+    with pytest.raises(ValueError, match=">= 0"):
+        native.speedups.ctx_window(-ok, ok, 1)
+    with pytest.raises(ValueError, match="empty"):
+        native.speedups.ctx_window(np.zeros(256, np.int64), np.zeros(256, np.int64), 1)
+    with pytest.raises(ValueError, match="expected 256 items"):
+        native.speedups.ctx_window(ok, np.ones(255, np.int64), 1)
