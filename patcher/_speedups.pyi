@@ -128,6 +128,7 @@ def ctx_sample(
     changed_out: Out,
     /,
 ) -> None: ...
+def ctx_window(sampled: In, changed: In, scale: int, /) -> tuple[int, int]: ...
 def ctx_diff(
     old: In,
     new: In,

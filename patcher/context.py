@@ -341,7 +341,7 @@ def window_bits(
     cls = np.clip(np.arange(members.size) - window.lo, 0, window.classes - 1)
     n = np.bincount(cls, weights=members, minlength=window.classes)
     k = np.bincount(cls, weights=changed, minlength=window.classes)
-    return float(_bernoulli_bits(n, k).sum())
+    return float(_bernoulli_bits(n.astype(np.float64), k.astype(np.float64)).sum())
 
 
 def window_of(
