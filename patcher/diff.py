@@ -16,12 +16,23 @@ import numpy as np
 from numpy.typing import NDArray
 
 from patcher import native
+from patcher.cast import cast_bits
 from patcher.errors import IncompatibleTensors, InvalidInput
 from patcher.fingerprint import fingerprint
 from patcher.fingerprint_update import fingerprint_change
 from patcher.patch import Patch, TensorDelta, TensorSpec, check_names
 
-__all__ = ["CHUNK_WORDS", "checked_bits_view", "checked_pairs", "diff", "diff_bits", "native_scan", "tensor_changes"]
+__all__ = [
+    "CAST_CHUNK",
+    "CHUNK_WORDS",
+    "checked_bits_view",
+    "checked_pairs",
+    "diff",
+    "diff_bits",
+    "diff_cast_bits",
+    "native_scan",
+    "tensor_changes",
+]
 
 #: 64-bit words compared per step (1 Mi BF16 elements): the mask (256 KiB) and both
 #: input chunks stay in L2. Measured fastest among 64 Ki .. 1 Mi words.
@@ -34,6 +45,9 @@ _I64: Final = np.dtype(np.int64)
 _FIRST_CAPACITY_SHIFT: Final = 8
 #: The smallest first guess: a second call costs more than this much spare room.
 _MIN_CAPACITY: Final = 1 << 12
+#: Elements diff_cast_bits casts at a time: its buffer (2 MiB of BF16) stays in the
+#: CPU's cache between the cast that writes it and the diff that reads it.
+CAST_CHUNK: Final = 1 << 20
 
 
 def checked_bits_view(array: object, spec: TensorSpec, role: str) -> NDArray[np.unsignedinteger]:
@@ -205,6 +219,41 @@ def diff_bits(
     _check_pair(old, new)
     (indices, _, delta), _ = tensor_changes(old, new, fingerprinted=False)
     return indices, delta
+
+
+def diff_cast_bits(
+    old: NDArray[np.unsignedinteger],
+    src: NDArray[np.unsignedinteger],
+    source: str,
+    served: str,
+    *,
+    chunk: int = CAST_CHUNK,
+) -> tuple[NDArray[np.int64], NDArray[np.unsignedinteger]]:
+    """``diff_bits(old, cast_bits(src, source, served))``, without the cast's whole copy:
+    ``src`` is cast ``chunk`` elements at a time into one buffer, each diffed against
+    ``old``'s elements there. The same indices and deltas, in one read of each input
+    and no full-size write (the copy, its page faults and its reading back were most of
+    a patch step's time with F32 masters: docs/SHARDED.md)."""
+    if not isinstance(src, np.ndarray) or not src.flags.c_contiguous:
+        raise InvalidInput("diff_cast_bits needs a C-contiguous source")
+    a, b = old.reshape(-1), src.reshape(-1)
+    if a.size != b.size:
+        raise IncompatibleTensors(f"old has {a.size} elements, the source {b.size}")
+    if not isinstance(chunk, int) or chunk < 64:
+        raise InvalidInput("chunk must be an int >= 64")
+    buffer = np.empty(min(chunk, a.size), dtype=a.dtype)
+    indices: list[NDArray[np.int64]] = []
+    deltas: list[NDArray[np.unsignedinteger]] = []
+    for start in range(0, a.size, chunk):
+        stop = min(start + chunk, a.size)
+        part = cast_bits(b[start:stop], source, served, out=buffer[: stop - start])
+        idx, delta = diff_bits(a[start:stop], part)
+        if idx.size:
+            indices.append(idx + start)
+            deltas.append(delta)
+    if not indices:
+        return np.empty(0, dtype=np.int64), np.empty(0, dtype=a.dtype)
+    return np.concatenate(indices), np.concatenate(deltas)
 
 
 def _check_fingerprints(specs: Mapping[str, TensorSpec], base_fingerprints: Mapping[str, int]) -> None:

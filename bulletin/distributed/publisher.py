@@ -63,7 +63,7 @@ from bulletin.snapshot import layout as local_layout
 from bulletin.snapshot import served_source
 from bulletin.storage import Conflicted, Store, open_store, require_writable
 from patcher.compression import check_codec
-from patcher.diff import diff_bits
+from patcher.diff import diff_bits, diff_cast_bits
 from patcher.dtypes import SERVED_FLOAT_DTYPES
 from patcher.encode import encode
 from patcher.fingerprint_update import fingerprint_change
@@ -153,12 +153,25 @@ class _Snap:
     sources: dict[str, Callable[[], Bits]] = field(default_factory=dict)
     error: BaseException | None = None
     metadata: dict[str, str] = field(default_factory=dict)
+    #: Blocks read in place whose served bits are a cast of F32: their F32 bits and served
+    #: dtype, so that a patch step casts them inside its diff (patcher.diff.diff_cast_bits).
+    f32: dict[str, tuple[Callable[[], Bits], str]] = field(default_factory=dict)
 
     def take(self, name: str) -> Bits:
+        self.f32.pop(name, None)
         try:
             return self.sources.pop(name)()
         except KeyError:  # pragma: no cover - each owned block is taken once
             raise InternalError(f"{name}: taken twice") from None
+
+    def changes(self, name: str, old: Bits) -> tuple[NDArray[np.int64], Bits]:
+        """The block's change from ``old`` (flat kept bits): its indices and deltas."""
+        f32 = self.f32.pop(name, None)
+        if f32 is None:
+            return diff_bits(old, np.ascontiguousarray(self.take(name)).reshape(-1))
+        self.sources.pop(name, None)
+        read, served = f32
+        return diff_cast_bits(old, np.ascontiguousarray(read()).reshape(-1), "F32", served)
 
 
 @dataclass(frozen=True, slots=True)
@@ -330,7 +343,10 @@ class ShardedPublisher:
             snap = _Snap(RankLayout(self.rank, specs, {n: blocks[n] for n in specs}, found.aliases))
             snap.metadata = checked
             for name, value in found.values.items():
-                snap.sources[name] = served_source(value, found.source_dtypes[name], found.specs[name].dtype, copy)
+                source, served = found.source_dtypes[name], found.specs[name].dtype
+                snap.sources[name] = served_source(value, source, served, copy)
+                if not copy and source == "F32" and served != source:
+                    snap.f32[name] = (served_source(value, source, source, False), served)
             return snap
         except BaseException as exc:
             return _Snap(None, error=exc)
@@ -438,11 +454,10 @@ class ShardedPublisher:
             for name in sorted(owned):
                 block = owned[name]
                 old = base.kept[name].reshape(-1)
-                new = np.ascontiguousarray(snap.take(name)).reshape(-1)
-                idx, delta = diff_bits(old, new)
+                idx, delta = snap.changes(name, old)
                 gidx = global_indices(block, idx)
-                fpd = fingerprint_change(gidx, old[idx], new[idx])
-                del new
+                was = old[idx]
+                fpd = fingerprint_change(gidx, was, was + delta)  # deltas wrap, as the bits do
                 changes[name] = (idx, delta)
                 outgoing[layout.writers[name]].append((name, gidx, delta, fpd))
         except BaseException as exc:

@@ -125,3 +125,25 @@ def test_bad_arguments() -> None:
     readonly.flags.writeable = False
     with pytest.raises(InvalidInput, match="out"):
         cast_bits(bits, "F32", "BF16", out=readonly)
+
+
+@pytest.mark.parametrize("kind", [0, 1])
+def test_every_vector_width_of_the_compiled_cast_writes_the_same_bits(kind: int) -> None:
+    """The compiled cast runs the widest loop the CPU has (AVX-512, AVX2, the baseline):
+    each one this CPU runs gives the baseline's bits, on random patterns and the specials,
+    at lengths that leave every vector tail."""
+    from patcher import native
+
+    if not native.BUILT:
+        pytest.skip("patcher._speedups was not built")
+    rng = np.random.default_rng(kind)
+    bits = np.concatenate([SPECIALS, rng.integers(0, 1 << 32, 1 << 16, dtype=np.uint32)])
+    for n in (1, 15, 31, 63, 65, bits.size):
+        src = np.ascontiguousarray(bits[:n])
+        outs = []
+        for widest in (0, 1, 2):
+            dst = np.zeros(n, dtype=np.uint16)
+            native.speedups.cast(src, dst, kind, widest)
+            outs.append(dst)
+        np.testing.assert_array_equal(outs[1], outs[0])
+        np.testing.assert_array_equal(outs[2], outs[0])

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 import patcher.diff as diff_module
 from bulletin.errors import IncompatibleTensors, InvalidInput
-from patcher.diff import diff, diff_bits
+from patcher.cast import cast_bits
+from patcher.diff import diff, diff_bits, diff_cast_bits
 from patcher.fingerprint import element_hashes, fingerprint
 from patcher.fingerprint_update import fingerprint_change
 from patcher.patch import TensorSpec
@@ -159,3 +160,35 @@ def test_diff_validates_everything_first() -> None:
     # Any dtype of the right width is compared as bits.
     patch = diff({"a": spec}, {"a": np.zeros(4, np.float16)}, {"a": np.full(4, -0.0, np.float16)})
     assert patch.tensors["a"].delta.tolist() == [0x8000] * 4
+
+
+@pytest.mark.parametrize("served", ["BF16", "F16"])
+@pytest.mark.parametrize("chunk", [64, 1000, 1 << 20])
+def test_a_diff_that_casts_chunk_by_chunk_is_the_diff_of_the_whole_cast(served: str, chunk: int) -> None:
+
+    rng = np.random.default_rng(chunk)
+    n = 5000 + chunk  # a partial last chunk
+    src = (rng.standard_normal(n, dtype=np.float32) * np.float32(0.02)).view(np.uint32)
+    src[:4] = np.array([0x7FC00001, 0xFF800000, 0x80000000, 0x00000001], dtype=np.uint32)  # NaN, -inf, -0, subnormal
+    old = cast_bits(src, "F32", served)
+    moved = rng.choice(n, size=200, replace=False)
+    src[moved] = (src[moved].view(np.float32) * np.float32(1.01)).view(np.uint32)
+    src[chunk - 1 : chunk + 1] ^= np.uint32(1 << 20)  # both sides of a chunk boundary
+    want = diff_bits(old, cast_bits(src, "F32", served))
+    got = diff_cast_bits(old, src, "F32", served, chunk=chunk)
+    assert want[0].size > 150
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+    none = diff_cast_bits(cast_bits(src, "F32", served), src, "F32", served, chunk=chunk)
+    assert none[0].size == 0 and none[0].dtype == np.int64 and none[1].dtype == old.dtype
+
+
+def test_a_diff_that_casts_refuses_what_it_cannot_pair() -> None:
+
+    old = np.zeros(100, np.uint16)
+    with pytest.raises(IncompatibleTensors):
+        diff_cast_bits(old, np.zeros(99, np.uint32), "F32", "BF16")
+    with pytest.raises(InvalidInput):
+        diff_cast_bits(old, np.zeros(100, np.uint32), "F32", "BF16", chunk=8)
+    with pytest.raises(InvalidInput):
+        diff_cast_bits(np.zeros(100, np.uint32), np.zeros(100, np.uint32), "F32", "BF16")
