@@ -108,10 +108,16 @@ class Stack:
 
     async def wait_version(self, version: int, timeout: float = 10.0) -> None:
         deadline = asyncio.get_running_loop().time() + timeout
-        while self.sidecar.gate.active_version != version:
+        # The gate serves a version as soon as it is activated; the sync worker records it
+        # as held just after (a /readyz between the two still answers not_synced).
+        while self.sidecar.gate.active_version != version or self._held() != version:
             if asyncio.get_running_loop().time() > deadline:
                 raise AssertionError(f"version {version} never became active ({self.sidecar.describe()})")
             await asyncio.sleep(0.01)
+
+    def _held(self) -> int | None:
+        status = self.sidecar.status()
+        return status.current if status is not None else self.sidecar.gate.active_version
 
     async def post(self, path: str, body: Any = None, **kwargs: Any) -> tuple[int, dict[str, str], Any]:
         async with self.client.post(path, data=json.dumps(body or {}), **kwargs) as resp:
