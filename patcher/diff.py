@@ -242,18 +242,15 @@ def diff_cast_bits(
     if not isinstance(chunk, int) or chunk < 64:
         raise InvalidInput("chunk must be an int >= 64")
     buffer = np.empty(min(chunk, a.size), dtype=a.dtype)
-    indices: list[NDArray[np.int64]] = []
-    deltas: list[NDArray[np.unsignedinteger]] = []
+    parts: list[tuple[NDArray[Any], ...]] = []
     for start in range(0, a.size, chunk):
         stop = min(start + chunk, a.size)
         part = cast_bits(b[start:stop], source, served, out=buffer[: stop - start])
         idx, delta = diff_bits(a[start:stop], part)
         if idx.size:
-            indices.append(idx + start)
-            deltas.append(delta)
-    if not indices:
-        return np.empty(0, dtype=np.int64), np.empty(0, dtype=a.dtype)
-    return np.concatenate(indices), np.concatenate(deltas)
+            parts.append((idx + start, delta))
+    indices, deltas = _concat(parts, (_I64, a.dtype))
+    return indices, deltas
 
 
 def _check_fingerprints(specs: Mapping[str, TensorSpec], base_fingerprints: Mapping[str, int]) -> None:
