@@ -1478,48 +1478,54 @@ typedef struct {
     int64_t budget;
 } EncJob;
 
-/* Each entry's changes in class-major order (a stable counting sort of its classes):
- * order[k] is the index-order position of the k-th change coded. */
-static void class_major(const unsigned char *classes, Py_ssize_t count, uint32_t *order) {
-    Py_ssize_t first[CTX_MAX_CLASSES + 1] = {0};
-    for (Py_ssize_t k = 0; k < count; k++) first[classes[k] + 1]++;
-    for (int c = 0; c < CTX_MAX_CLASSES; c++) first[c + 1] += first[c];
-    for (Py_ssize_t k = 0; k < count; k++) order[first[classes[k]]++] = (uint32_t)k;
+/* Each entry's changes gathered class-major (a stable counting sort of its classes), so
+ * that the coder reads them in order: ranks[k] and deltas[k] (sign-extended) of the k-th
+ * change coded; counts[c] changes of class c. */
+static void class_major(const unsigned char *classes, const unsigned char *ranks, const unsigned char *deltas,
+                        int width, Py_ssize_t count, int64_t *out_ranks, int64_t *out_deltas,
+                        Py_ssize_t counts[CTX_MAX_CLASSES]) {
+    Py_ssize_t first[CTX_MAX_CLASSES] = {0};
+    for (int c = 0; c < CTX_MAX_CLASSES; c++) counts[c] = 0;
+    for (Py_ssize_t k = 0; k < count; k++) counts[classes[k]]++;
+    for (int c = 1; c < CTX_MAX_CLASSES; c++) first[c] = first[c - 1] + counts[c - 1];
+    for (Py_ssize_t k = 0; k < count; k++) {
+        const Py_ssize_t at = first[classes[k]]++;
+        out_ranks[at] = load_i64(ranks + 8 * k);
+        out_deltas[at] = sign_extend(load(deltas + k * width, width), width);
+    }
 }
 
 /* Codes entries while they fit; returns how many did (all, or where it stopped).
- * `order` holds room for the largest entry's changes. */
-static Py_ssize_t ctx_encode_run(const EncJob *job, Ctx *t, RcEnc *e, uint32_t *order) {
+ * `ranks` and `deltas` hold room for the largest entry's changes. */
+static Py_ssize_t ctx_encode_run(const EncJob *job, Ctx *t, RcEnc *e, int64_t *ranks, int64_t *deltas) {
     Py_ssize_t at = 0, dat = 0;
     int64_t spent = 0;
     for (Py_ssize_t i = 0; i < job->entries; i++) {
         const int64_t *m = job->meta + i * META_FIELDS;
         const Py_ssize_t count = (Py_ssize_t)m[M_COUNT];
         const int classes = (int)m[M_CLASSES], width = (int)m[M_WIDTH], last = classes - 1;
-        const unsigned char *cls = job->classes + at, *ranks = job->ranks + 8 * at, *deltas = job->deltas + dat;
-        class_major(cls, count, order);
+        Py_ssize_t counts[CTX_MAX_CLASSES];
+        class_major(job->classes + at, job->ranks + 8 * at, job->deltas + dat, width, count, ranks, deltas, counts);
         uint64_t s = 2, n = 1;
         Py_ssize_t pos = 0;
         for (int c = 0; c < classes && pos < count; c++) {
             Ctx *row = &t[delta_row(m, c)];
             int64_t prev = -1;
             int first = 1;
-            while (pos < count) {
-                const Py_ssize_t k = order[pos];
-                const int here = cls[k] == c;
-                if (c < last) rc_bit(e, &t[CTX_MORE + 2 * c + first], here);
-                if (!here) break;
-                const int64_t rank = load_i64(ranks + 8 * k);
-                const uint64_t g = (uint64_t)(rank - prev);
+            /* A "more in this class" bit before each change and, unless the entry is done,
+             * a last one that says the class ended (the last class needs none). */
+            for (const Py_ssize_t stop = pos + counts[c]; pos < stop; pos++) {
+                if (c < last) rc_bit(e, &t[CTX_MORE + 2 * c + first], 1);
+                const uint64_t g = (uint64_t)(ranks[pos] - prev);
                 int kk, fr;
                 gap_rate(s, n, &kk, &fr);
                 enc_gap(e, t, g, kk, fr);
                 gap_next(&s, &n, g);
-                enc_delta(e, row, sign_extend(load(deltas + k * width, width), width), width);
-                prev = rank;
+                enc_delta(e, row, deltas[pos], width);
+                prev = ranks[pos];
                 first = 0;
-                pos++;
             }
+            if (pos < count) rc_bit(e, &t[CTX_MORE + 2 * c + first], 0);
             class_start_state(&s, &n);
         }
         at += count;
@@ -1588,25 +1594,23 @@ static PyObject *py_ctx_encode(PyObject *self, PyObject *args) {
             at += (Py_ssize_t)m[M_COUNT];
             if (m[M_COUNT] > most) most = (Py_ssize_t)m[M_COUNT];
         }
-        if (most > UINT32_MAX) {
-            PyErr_SetString(PyExc_ValueError, "meta: an entry holds more than 2**32 - 1 changes");
-            goto done;
-        }
         Ctx *t = ctx_table();
-        uint32_t *order = malloc(sizeof(uint32_t) * (size_t)most);
-        if (t == NULL || order == NULL) {
+        int64_t *ranks = malloc(sizeof(int64_t) * (size_t)most), *deltas = malloc(sizeof(int64_t) * (size_t)most);
+        if (t == NULL || ranks == NULL || deltas == NULL) {
             free(t);
-            free(order);
+            free(ranks);
+            free(deltas);
             PyErr_NoMemory();
             goto done;
         }
         Py_ssize_t fit;
         Py_BEGIN_ALLOW_THREADS;
-        fit = ctx_encode_run(&job, t, &e, order);
+        fit = ctx_encode_run(&job, t, &e, ranks, deltas);
         if (fit == entries)
             for (int i = 0; i < 5; i++) rc_shift_low(&e);
         Py_END_ALLOW_THREADS;
-        free(order);
+        free(ranks);
+        free(deltas);
         free(t);
         if (e.oom) {
             PyErr_NoMemory();
