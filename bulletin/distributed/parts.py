@@ -29,6 +29,7 @@ __all__ = [
     "Layout",
     "RankLayout",
     "block_runs",
+    "contiguous_start",
     "global_indices",
     "local_indices",
     "part_fingerprint",
@@ -70,10 +71,22 @@ class Block:
         ) and bool(self.numel and other.numel)
 
 
+def contiguous_start(block: Block) -> int | None:
+    """The whole tensor's flat index of the block's first element when the block is one
+    contiguous run of the tensor's elements (a whole tensor, FSDP2's ``Shard(0)``), else None."""
+    cut = [d for d in range(len(block.shape)) if block.sizes[d] != block.shape[d]]
+    if cut and any(block.sizes[d] != 1 for d in range(cut[-1])):
+        return None
+    return sum(o * prod(block.shape[d + 1 :]) for d, o in enumerate(block.offsets))
+
+
 def global_indices(block: Block, local: NDArray[np.int64]) -> NDArray[np.int64]:
     """Flat indices in the whole tensor of the block's flat (C order) ``local`` indices."""
     if block.is_whole or not block.shape:
         return local
+    start = contiguous_start(block)
+    if start is not None:  # a run of the tensor: one addition, no coordinates
+        return local + start
     coords = np.unravel_index(local, block.sizes)
     shifted = tuple(c + o for c, o in zip(coords, block.offsets, strict=True))
     return np.ravel_multi_index(shifted, block.shape).astype(np.int64, copy=False)

@@ -17,6 +17,7 @@ from bulletin.distributed.parts import (
     Block,
     RankLayout,
     block_runs,
+    contiguous_start,
     global_indices,
     local_indices,
     part_fingerprint,
@@ -73,6 +74,34 @@ def test_a_blocks_runs_are_its_elements_in_its_own_order(shape: tuple[int, ...])
         starts, run = block_runs(block)
         got = (starts[:, None] + np.arange(run, dtype=np.int64)).reshape(-1)
         assert got.tolist() == want.tolist(), block
+
+
+@pytest.mark.parametrize("shape", [(7,), (6, 5), (4, 3, 5), (1, 3, 4, 5), (2, 1, 4, 5)])
+def test_global_indices_of_any_block_are_its_elements(shape: tuple[int, ...]) -> None:
+    # One addition for a block that is one run of the tensor, coordinates for the rest:
+    # both give each element's flat index in the whole tensor, and the run's start is
+    # block_runs' single run.
+    rng = np.random.default_rng(2)
+    flat = np.arange(prod(shape), dtype=np.int64).reshape(shape)
+    runs = 0
+    for _ in range(60):
+        offsets = tuple(int(rng.integers(0, n)) for n in shape)
+        sizes = tuple(int(rng.integers(0, n - o + 1)) for n, o in zip(shape, offsets, strict=True))
+        if rng.random() < 0.3:  # rows of the first dimension only: FSDP2's Shard(0)
+            sizes = (sizes[0], *shape[1:])
+            offsets = (offsets[0], *(0,) * (len(shape) - 1))
+        block = Block(shape, offsets, sizes)
+        want = flat[tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))].reshape(-1)
+        local = np.arange(block.numel, dtype=np.int64)
+        assert global_indices(block, local).tolist() == want.tolist(), block
+        start = contiguous_start(block)
+        starts, run = block_runs(block)
+        if start is not None and block.numel:
+            runs += 1
+            assert starts.tolist() == [start] and run == block.numel, block
+        elif block.numel:
+            assert len(starts) > 1, block
+    assert runs >= 10
 
 
 def _rank(rank: int, blocks: dict[str, Block], dtype: str = "BF16") -> RankLayout:
