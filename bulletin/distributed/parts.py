@@ -64,6 +64,11 @@ class Block:
     def is_whole(self) -> bool:
         return self.sizes == self.shape
 
+    @property
+    def cut_dims(self) -> list[int]:
+        """The dimensions the block does not span whole, outermost first."""
+        return [d for d in range(len(self.shape)) if self.sizes[d] != self.shape[d]]
+
     def overlaps(self, other: Block) -> bool:
         return all(
             a < b + m and b < a + n
@@ -74,7 +79,7 @@ class Block:
 def contiguous_start(block: Block) -> int | None:
     """The whole tensor's flat index of the block's first element when the block is one
     contiguous run of the tensor's elements (a whole tensor, FSDP2's ``Shard(0)``), else None."""
-    cut = [d for d in range(len(block.shape)) if block.sizes[d] != block.shape[d]]
+    cut = block.cut_dims
     if cut and any(block.sizes[d] != 1 for d in range(cut[-1])):
         return None
     return sum(o * prod(block.shape[d + 1 :]) for d, o in enumerate(block.offsets))
@@ -109,7 +114,7 @@ def block_runs(block: Block) -> tuple[NDArray[np.int64], int]:
     """The block as contiguous runs of the whole tensor's flat elements, in the block's C
     order: each run's first flat index, and the runs' one length (every dimension inside
     the innermost one the block cuts is whole, so a run spans it and all below)."""
-    cut_dims = [d for d in range(len(block.shape)) if block.sizes[d] != block.shape[d]]
+    cut_dims = block.cut_dims
     if not cut_dims or block.numel == 0:
         return np.zeros(1 if block.numel else 0, dtype=np.int64), block.numel
     cut = cut_dims[-1]
@@ -127,7 +132,7 @@ def part_fingerprint(block: Block, bits: NDArray[np.unsignedinteger]) -> int:
     if block.numel == 0:
         return 0
     flat = np.ascontiguousarray(bits).reshape(-1)
-    cut_dims = [d for d in range(len(block.shape)) if block.sizes[d] != block.shape[d]]
+    cut_dims = block.cut_dims
     if not cut_dims:
         return fingerprint_rows(flat, 0, flat.size)
     cut = cut_dims[-1]  # the innermost dimension cut: below it a block row is one contiguous run
