@@ -42,7 +42,7 @@ from patcher.patch import TensorDelta, TensorSpec
 if TYPE_CHECKING:
     from bulletin.base import PublishedBase
 
-__all__ = ["ServedBits", "Snapshot", "cast_served", "layout", "served_source", "snapshot", "take_snapshot"]
+__all__ = ["ServedBits", "Snapshot", "cast_served", "layout", "read_served", "snapshot", "take_snapshot"]
 
 Bits = NDArray[np.unsignedinteger]
 #: A tensor's served bits, produced when called (a view, a cast, or the copy taken).
@@ -194,11 +194,11 @@ def _host_source(value: Any, source: str, served: str, copy: bool) -> Source:
     return lambda: bits
 
 
-def served_source(value: Any, source: str, served: str, copy: bool) -> Source:
-    """A source of the served bits of one host tensor of a :func:`layout` (its
-    ``source_dtypes`` entry and served dtype): with ``copy``, a private copy taken now;
-    without, a view or cast read when called. The sharded publisher reads its blocks so."""
-    return _host_source(value, source, served, copy)
+def read_served(value: Any, source: str, served: str, copy: bool) -> Bits:
+    """The served bits of one host tensor of a :func:`layout` (its ``source_dtypes``
+    entry and served dtype), read now: with ``copy``, a private copy; without, a view of
+    the caller's memory where no cast is needed. The sharded publisher reads its blocks so."""
+    return _read(value, source, served, copy)
 
 
 def cast_served(bits: Bits, dtype: str, served: str) -> tuple[str, Bits]:

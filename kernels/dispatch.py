@@ -138,13 +138,24 @@ def dtype_name(array: object) -> str:
     NumPy and CuPy have no bfloat16, so their 2-byte unsigned arrays read as ``U16``:
     pass the dtype explicitly when the array holds bits of another type.
     """
-    if not (_is_torch_tensor(array) or isinstance(array, np.ndarray) or _is_cupy_array(array)):
+    if not (isinstance(array, np.ndarray) or _is_torch_tensor(array) or _is_cupy_array(array)):
         raise InvalidInput(f"not a tensor or array: {type(array).__name__}")
-    name = str(array.dtype).removeprefix("torch.")  # type: ignore[attr-defined]
+    dtype = array.dtype  # type: ignore[attr-defined]
+    # str() of a NumPy dtype costs microseconds, and a publish asks once or twice per tensor.
+    known = _NAMES_BY_DTYPE.get(dtype)
+    if known is not None:
+        return known
+    name = str(dtype).removeprefix("torch.")
     try:
-        return DTYPE_NAMES[name]
+        found = DTYPE_NAMES[name]
     except KeyError:
         raise UnsupportedDtype(f"dtype {name} cannot be carried bit-exactly") from None
+    _NAMES_BY_DTYPE[dtype] = found
+    return found
+
+
+#: dtype objects (NumPy's, torch's, CuPy's) already named: a few dozen at most.
+_NAMES_BY_DTYPE: dict[object, str] = {}
 
 
 def _torch_bits(tensor: torch.Tensor) -> BitsArray:

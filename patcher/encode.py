@@ -87,16 +87,6 @@ class _Piece:
     gaps: EntryBytes
     deltas: EntryBytes
 
-    def parts(self) -> dict[str, list[bytes]]:
-        """This entry's bytes for each stream of :data:`STREAM_KINDS`."""
-        return {
-            "gap_low": [self.gaps.low],
-            "gap_codes": [self.gaps.small.codes],
-            "gap_escapes": self.gaps.small.escapes,
-            "delta_codes": [self.deltas.small.codes],
-            "delta_escapes": self.deltas.small.escapes,
-        }
-
     @property
     def raw_bytes(self) -> int:
         return self.entry.decoded_bytes
@@ -179,17 +169,22 @@ def _document(shard: _Shard, patch_id: str, index: int, count: int) -> dict[str,
     }
 
 
+def _planes(parts: list[list[bytes]], compress: Compress) -> list[bytes]:
+    """An escape kind's streams: stream j joins plane j of every entry that has one."""
+    planes = max(map(len, parts), default=0)
+    return [compress(b"".join(part[j] for part in parts if len(part) > j)) for j in range(planes)]
+
+
 def _build(pieces: list[_Piece], compress: Compress) -> _Shard:
-    parts = [p.parts() for p in pieces]
-    streams: dict[str, list[bytes]] = {}
-    for kind in STREAM_KINDS:
-        planes = max((len(part[kind]) for part in parts), default=0)
-        if not kind.endswith("escapes"):
-            planes = 1  # present even when empty
-        # Stream j of a kind concatenates part j of every entry that has one, in order.
-        streams[kind] = [
-            compress(b"".join(part[kind][j] for part in parts if len(part[kind]) > j)) for j in range(planes)
-        ]
+    # Each stream joins its part of every entry, in order (FORMAT.md 3.5), read from the
+    # entries themselves: no per-entry objects are made for it.
+    streams = {
+        "gap_low": [compress(b"".join(p.gaps.low for p in pieces))],
+        "gap_codes": [compress(b"".join(p.gaps.small.codes for p in pieces))],
+        "gap_escapes": _planes([p.gaps.small.escapes for p in pieces], compress),
+        "delta_codes": [compress(b"".join(p.deltas.small.codes for p in pieces))],
+        "delta_escapes": _planes([p.deltas.small.escapes for p in pieces], compress),
+    }
     shard = _Shard(pieces, streams, 0)
     shard.bound = FIXED_HEADER_SIZE + len(canonical_json(_document(shard, "0" * 64, _WIDEST, _WIDEST)))
     shard.bound += shard.payload_bytes

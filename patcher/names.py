@@ -11,6 +11,9 @@ __all__ = ["MAX_NAME_BYTES", "check_tensor_name"]
 
 MAX_NAME_BYTES: Final = 1024
 _CONTROL: Final = re.compile("[\x00-\x1f\x7f]")
+#: Names found safe (only exact ``str`` objects: a subclass could compare equal and differ).
+_CHECKED: set[str] = set()
+_CHECKED_MAX: Final = 1 << 16
 
 
 def check_tensor_name(name: object) -> str:
@@ -22,6 +25,8 @@ def check_tensor_name(name: object) -> str:
     """
     if not isinstance(name, str) or not name:
         raise InvalidTensorName(f"tensor name must be a non-empty string, got {name!r}")
+    if type(name) is str and name in _CHECKED:  # a run checks the same names at every version, several times each
+        return name
     if len(name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
         raise InvalidTensorName(f"tensor name longer than {MAX_NAME_BYTES} bytes: {name[:64]!r}...")
     if "/" in name or "\\" in name:
@@ -34,4 +39,8 @@ def check_tensor_name(name: object) -> str:
         name.encode("utf-8")
     except UnicodeEncodeError:
         raise InvalidTensorName(f"tensor name is not valid UTF-8: {name!r}") from None
+    if type(name) is str:
+        if len(_CHECKED) >= _CHECKED_MAX:
+            _CHECKED.clear()
+        _CHECKED.add(name)
     return name

@@ -52,20 +52,26 @@ class PartBase:
         self.fingerprints: dict[str, int] = {}
         self.blocks: dict[str, Block] = {}
         self.kept: dict[str, NDArray[np.unsignedinteger]] = {}
+        #: The owners of every block when the kept blocks were made: the same on every rank.
+        self.owners: dict[str, list[tuple[int, Block]]] = {}
 
-    def holds(self, layout: Layout, rank: int) -> bool:
-        """Whether the kept blocks are exactly those ``rank`` owns in ``layout``."""
-        return self.specs == layout.specs and self.blocks == layout.owned(rank)
+    def holds(self, layout: Layout) -> bool:
+        """Whether every rank keeps the blocks it owns in ``layout``: the same answer on
+        every rank (each compares the job's layouts, not only its own blocks), so that
+        a change of placement on any rank makes the next version a keyframe everywhere."""
+        return bool(self.owners) and self.specs == layout.specs and self.owners == layout.owners
 
     def advance(
         self,
         stored: StoredManifest,
         changes: Mapping[str, tuple[NDArray[np.int64], NDArray[np.unsignedinteger]]] | None,
         kept: dict[str, NDArray[np.unsignedinteger]] | None,
-        blocks: Mapping[str, Block],
+        layout: Layout,
+        rank: int,
     ) -> None:
-        """``stored`` is committed: the owned blocks move by ``changes`` (local flat
-        indices and deltas: a patch version) or become ``kept`` (a keyframe)."""
+        """``stored`` is committed: the blocks ``rank`` owns in ``layout`` move by
+        ``changes`` (local flat indices and deltas: a patch version) or become ``kept``
+        (a keyframe)."""
         if kept is not None:
             self.kept = kept
         elif changes is not None:
@@ -75,7 +81,7 @@ class PartBase:
         else:  # pragma: no cover - callers pass one
             raise InternalError(f"version {stored.version} committed with neither changes nor bits")
         self._hold(stored)
-        self.blocks = dict(blocks)
+        self.blocks, self.owners = layout.owned(rank), layout.owners
 
     def _hold(self, stored: StoredManifest | None) -> None:
         self.stored = stored
@@ -87,7 +93,7 @@ class PartBase:
     def forget(self, tip: StoredManifest | None) -> None:
         """Hold ``tip`` without bits (the next version is a keyframe: a new layout)."""
         self._hold(tip)
-        self.kept, self.blocks = {}, {}
+        self.kept, self.blocks, self.owners = {}, {}, {}
 
     def load(self, run: Run, tip: StoredManifest, owned: Mapping[str, Block]) -> dict[str, NDArray[np.unsignedinteger]]:
         """``tip``'s bits of the ``owned`` blocks, from the run: the keyframe's files that
@@ -113,18 +119,20 @@ class PartBase:
         self,
         tip: StoredManifest,
         kept: dict[str, NDArray[np.unsignedinteger]],
-        owned: Mapping[str, Block],
+        layout: Layout,
+        rank: int,
         sums: Mapping[str, int],
     ) -> None:
-        """Hold ``tip`` with the ``kept`` blocks :meth:`load` gave, once the fingerprints
-        summed over every rank's blocks (``sums``) are the manifest's."""
+        """Hold ``tip`` with the ``kept`` blocks :meth:`load` gave for the blocks ``rank``
+        owns in ``layout``, once the fingerprints summed over every rank's blocks
+        (``sums``) are the manifest's."""
         wrong = sorted(name for name in tip.manifest.specs if sums.get(name) != tip.manifest.fingerprints[name])
         if wrong:
             raise FingerprintMismatch(
                 f"version {tip.version} rebuilt from the run misses the fingerprints of {', '.join(wrong[:3])}"
             )
         self.kept = kept
-        self.blocks = dict(owned)
+        self.blocks, self.owners = layout.owned(rank), layout.owners
         self._hold(tip)
 
 

@@ -80,28 +80,36 @@ class Comm:
 
     def exchange(self, outgoing: list[Any]) -> list[Any]:
         """All-to-all: ``outgoing[r]`` (picklable, NumPy arrays inside are fine) goes to
-        rank ``r``; returns what every rank sent to this one, in rank order. The bytes
-        are the payloads themselves (O(what is sent)), pickled with protocol 5."""
+        rank ``r``; returns what every rank sent to this one, in rank order (this rank's
+        own part as it is, never pickled). Arrays travel out of band (pickle protocol 5):
+        each is copied once into the send buffer, and what arrives are views of the
+        receive buffer, so the bytes are the payloads themselves (O(what is sent))."""
         if self.world == 1:
             return list(outgoing)
         import torch
         import torch.distributed as dist
 
-        blobs = [pickle.dumps(item, protocol=5) for item in outgoing]
-        sizes = torch.tensor([len(b) for b in blobs], dtype=torch.int64)
+        frames = [[] if r == self.rank else _frame(item) for r, item in enumerate(outgoing)]
+        sizes = torch.tensor([sum(len(piece) for piece in frame) for frame in frames], dtype=torch.int64)
         incoming = torch.empty(self.world, dtype=torch.int64)
         try:
             dist.all_to_all_single(incoming, sizes, group=self.group)
-            send = torch.from_numpy(np.frombuffer(b"".join(blobs), dtype=np.uint8).copy())
+            send = np.empty(int(sizes.sum()), dtype=np.uint8)
+            pos = 0
+            for frame in frames:
+                for piece in frame:
+                    send[pos : pos + len(piece)] = np.frombuffer(piece, dtype=np.uint8)
+                    pos += len(piece)
+            del frames
             recv = torch.empty(int(incoming.sum()), dtype=torch.uint8)
-            dist.all_to_all_single(recv, send, incoming.tolist(), sizes.tolist(), group=self.group)
+            dist.all_to_all_single(recv, torch.from_numpy(send), incoming.tolist(), sizes.tolist(), group=self.group)
         except RuntimeError as exc:
             raise self._failed("an exchange of changes", exc) from exc
-        data = recv.numpy().tobytes()
-        out = []
+        data = recv.numpy()
+        out: list[Any] = []
         pos = 0
-        for n in incoming.tolist():
-            out.append(pickle.loads(data[pos : pos + n]))  # the job's own ranks' bytes
+        for source, n in enumerate(incoming.tolist()):
+            out.append(outgoing[self.rank] if source == self.rank else _unframe(data[pos : pos + n]))
             pos += n
         return out
 
@@ -134,3 +142,34 @@ class Comm:
             if dist.is_initialized():
                 dist.destroy_process_group(self.group)
             self.group = None
+
+
+_COUNT = np.dtype("<i8")
+
+
+def _frame(item: Any) -> list[memoryview | bytes]:
+    """``item`` as the pieces of one message: the count and sizes of what follows (int64),
+    the pickle, and the bytes of every array in it (not copied here), each padded to 8
+    bytes so that every array arrives aligned."""
+    buffers: list[pickle.PickleBuffer] = []
+    head = pickle.dumps(item, protocol=5, buffer_callback=buffers.append)
+    raws: list[memoryview | bytes] = [head, *(buffer.raw() for buffer in buffers)]
+    sizes = np.array([len(raws), *(len(raw) for raw in raws)], dtype=_COUNT)
+    pieces: list[memoryview | bytes] = [sizes.tobytes()]
+    for raw in raws:
+        pieces.append(raw)
+        if len(raw) % 8:
+            pieces.append(bytes(-len(raw) % 8))
+    return pieces
+
+
+def _unframe(data: NDArray[np.uint8]) -> Any:
+    """What :func:`_frame` framed; its arrays are views of ``data``."""
+    count = int(data[:8].view(_COUNT)[0])
+    sizes = data[8 : 8 * (count + 1)].view(_COUNT).tolist()
+    pos = 8 * (count + 1)
+    pieces = []
+    for size in sizes:
+        pieces.append(data[pos : pos + size])
+        pos += size + -size % 8
+    return pickle.loads(pieces[0].tobytes(), buffers=pieces[1:])  # the job's own ranks' bytes

@@ -60,7 +60,7 @@ from bulletin.keyspace import keyframe_prefix, patch_shard_key
 from bulletin.publisher import PublishResult, build_manifest, publish_result
 from bulletin.run import Run, StoredManifest, sha256_hex
 from bulletin.snapshot import layout as local_layout
-from bulletin.snapshot import served_source
+from bulletin.snapshot import read_served
 from bulletin.storage import Conflicted, Store, open_store, require_writable
 from patcher.compression import check_codec
 from patcher.diff import diff_bits, diff_cast_bits
@@ -146,32 +146,41 @@ def _split(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Blo
 
 @dataclass(slots=True)
 class _Snap:
-    """One step as this rank took it: its layout and each block's bits (a source), or the
-    error taking it raised (the step then fails on every rank)."""
+    """One step as this rank took it: its layout and each block's bits, or the error
+    taking it raised (the step then fails on every rank)."""
 
     layout: RankLayout | None
-    sources: dict[str, Callable[[], Bits]] = field(default_factory=dict)
     error: BaseException | None = None
     metadata: dict[str, str] = field(default_factory=dict)
-    #: Blocks read in place whose served bits are a cast of F32: their F32 bits and served
-    #: dtype, so that a patch step casts them inside its diff (patcher.diff.diff_cast_bits).
-    f32: dict[str, tuple[Callable[[], Bits], str]] = field(default_factory=dict)
+    #: Blocks copied when the snapshot was taken (``publish_async``).
+    copies: dict[str, Bits] = field(default_factory=dict)
+    #: Blocks read in place when the step needs them: (tensor, its dtype, served dtype).
+    #: Plain tuples, not closures: a step holds one per tensor, and each object it holds
+    #: is one more for the interpreter's collector to trace.
+    reads: dict[str, tuple[Any, str, str]] = field(default_factory=dict)
 
     def take(self, name: str) -> Bits:
-        self.f32.pop(name, None)
+        bits = self.copies.pop(name, None)
+        if bits is not None:
+            return bits
         try:
-            return self.sources.pop(name)()
+            value, source, served = self.reads.pop(name)
         except KeyError:  # pragma: no cover - each owned block is taken once
             raise InternalError(f"{name}: taken twice") from None
+        return read_served(value, source, served, False)
 
     def changes(self, name: str, old: Bits) -> tuple[NDArray[np.int64], Bits]:
-        """The block's change from ``old`` (flat kept bits): its indices and deltas."""
-        f32 = self.f32.pop(name, None)
-        if f32 is None:
+        """The block's change from ``old`` (flat kept bits): its indices and deltas. A block
+        read in place whose served bits are a cast of F32 is cast inside the diff
+        (patcher.diff.diff_cast_bits), from its F32 bits."""
+        read = self.reads.get(name)
+        if read is None or read[1] != "F32" or read[2] == "F32":
             return diff_bits(old, np.ascontiguousarray(self.take(name)).reshape(-1))
-        self.sources.pop(name, None)
-        read, served = f32
-        return diff_cast_bits(old, np.ascontiguousarray(read()).reshape(-1), "F32", served)
+        del self.reads[name]
+        value, source, served = read
+        return diff_cast_bits(
+            old, np.ascontiguousarray(read_served(value, source, source, False)).reshape(-1), source, served
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,6 +244,7 @@ class ShardedPublisher:
         self.rank, self.world = self._comm.rank, self._comm.world
         self.writer = str(self._comm.broadcast(secrets.token_hex(8)))  # one writer id for the job
         self._base = PartBase()
+        self._layout: tuple[RankLayout, Layout] | None = None  # this rank's blocks, and the layout agreed
         self._resumed = False
         self._pending: ManifestV1 | None = None  # rank 0: a commit whose outcome is unknown
         self._broken: BaseException | None = None
@@ -344,9 +354,10 @@ class ShardedPublisher:
             snap.metadata = checked
             for name, value in found.values.items():
                 source, served = found.source_dtypes[name], found.specs[name].dtype
-                snap.sources[name] = served_source(value, source, served, copy)
-                if not copy and source == "F32" and served != source:
-                    snap.f32[name] = (served_source(value, source, source, False), served)
+                if copy:  # now: the caller may change its tensors once this returns
+                    snap.copies[name] = read_served(value, source, served, True)
+                else:
+                    snap.reads[name] = (value, source, served)
             return snap
         except BaseException as exc:
             return _Snap(None, error=exc)
@@ -390,20 +401,34 @@ class ShardedPublisher:
         return result
 
     def _step_once(self, snap: _Snap) -> PublishResult:
-        layouts = self._agree(snap.error, "taking its snapshot", snap.layout)
-        self._agreed = True  # plan_layout is deterministic: the same result (or error) on every rank
-        layout = plan_layout(layouts)
-        self._agreed = False
+        layout = self._agree_layout(snap)
         if not self._resumed:
             self._resume(layout)
         base = self._base
         version = (base.version or 0) + 1
         self._at("layout", version)
-        same_layout = base.version is not None and base.specs == layout.specs
+        # A new placement (blocks moved between ranks) as much as new tensors: no rank's
+        # kept blocks are the base of its new ones, so the version is a keyframe.
+        same_layout = base.version is not None and base.holds(layout)
         keyframe = not same_layout or (version - 1) % self.keyframe_every == 0
         if keyframe:
             return self._keyframe_step(version, layout, snap)
         return self._patch_step(version, layout, snap)
+
+    def _agree_layout(self, snap: _Snap) -> Layout:
+        """The step's layout. Each rank first says only whether it holds the blocks of the
+        layout agreed last (O(1) per rank, not O(tensors) from every rank); the full
+        descriptions are gathered and planned again only when one rank's changed."""
+        unchanged = self._layout is not None and snap.layout == self._layout[0]
+        if all(self._agree(snap.error, "taking its snapshot", unchanged)) and self._layout is not None:
+            return self._layout[1]
+        layouts = self._comm.all_gather(snap.layout)
+        self._agreed = True  # plan_layout is deterministic: the same result (or error) on every rank
+        layout = plan_layout(layouts)
+        self._agreed = False
+        if snap.layout is not None:  # pragma: no branch - an error was raised above
+            self._layout = (snap.layout, layout)
+        return layout
 
     def _resume(self, layout: Layout) -> None:
         """Hold the run's newest version (rank 0 settles an unknown commit first, reads
@@ -428,7 +453,7 @@ class ShardedPublisher:
         owned = layout.owned(self.rank)
         if tip is None or dict(tip.manifest.specs) != layout.specs:
             self._base.forget(tip)  # nothing, or a new layout: the next version is a keyframe
-        elif not (self._base.digest == tip.digest and self._base.holds(layout, self.rank)):
+        elif not (self._base.digest == tip.digest and self._base.holds(layout)):
             kept: dict[str, Bits] = {}
             parts: dict[str, int] = {}
             try:
@@ -437,7 +462,7 @@ class ShardedPublisher:
             except BaseException as exc:
                 error = exc
             sums = _sums(self._agree(error, "rebuilding its base from the run", parts))
-            self._base.hold(tip, kept, owned, sums)  # FingerprintMismatch on every rank alike
+            self._base.hold(tip, kept, layout, self.rank, sums)  # FingerprintMismatch on every rank alike
         self._resumed = True
 
     # -- a patch version -----------------------------------------------------------------
@@ -449,7 +474,7 @@ class ShardedPublisher:
         changes: dict[str, tuple[NDArray[np.int64], Bits]] = {}
         error: BaseException | None = None
         try:
-            if not base.holds(layout, self.rank):  # pragma: no cover - _resume rebuilt it
+            if not base.holds(layout):  # pragma: no cover - a keyframe step otherwise
                 raise InternalError("the base does not hold this rank's blocks")
             for name in sorted(owned):
                 block = owned[name]
@@ -510,7 +535,7 @@ class ShardedPublisher:
             codec=self.codec, shards=tuple(r for part in all_refs for r in part), changed_elements=changed
         )
         stored = self._commit(version, layout, fps, patch_ref, None, snap.metadata)
-        base.advance(stored, changes, None, owned)
+        base.advance(stored, changes, None, layout, self.rank)
         self._at("advanced", version)
         return self._result(stored)
 
@@ -581,7 +606,7 @@ class ShardedPublisher:
         ordered = tuple(ref for _, ref in sorted((i, r) for part in all_refs for i, r in part))
         keyframe_ref = KeyframeRef(prefix=prefix, files=ordered)
         stored = self._commit(version, layout, fps, None, keyframe_ref, snap.metadata)
-        self._base.advance(stored, None, kept, owned)
+        self._base.advance(stored, None, kept, layout, self.rank)
         self._at("advanced", version)
         return self._result(stored)
 
@@ -673,6 +698,7 @@ class ShardedPublisher:
         raises the commit's error."""
         outcome = _Outcome(None, "", "", "")
         failure: BaseException | None = None
+        committed: StoredManifest | None = None
         if self.rank == 0:
             manifest: ManifestV1 | None = None
             try:
@@ -683,8 +709,10 @@ class ShardedPublisher:
                     self.run, self.writer, version, parent, layout.specs, fps, patch_ref, keyframe_ref, files, metadata
                 )
                 self._at("manifest", version)
-                stored = self._run.commit(manifest)
-                outcome = _Outcome(stored.manifest.model_dump_json().encode(), stored.digest, "", "")
+                committed = self._run.commit(manifest)
+                # The other ranks parse what rank 0 committed; rank 0 keeps its own.
+                sent = committed.manifest.model_dump_json().encode() if self.world > 1 else None
+                outcome = _Outcome(sent, committed.digest, "", "")
                 self._at("committed", version)
             except BaseException as exc:
                 if isinstance(exc, StorageUnavailable) and not isinstance(exc, AccessDenied):
@@ -702,6 +730,8 @@ class ShardedPublisher:
             if outcome.kind == "VersionConflict":
                 raise VersionConflict(f"version {version}: {outcome.error}")
             raise RankFailed(f"the commit of version {version} failed on rank 0 ({outcome.kind}: {outcome.error})")
+        if committed is not None:
+            return committed
         if outcome.manifest is None:  # pragma: no cover - a committed outcome carries it
             raise InternalError(f"version {version}: committed without a manifest")
         return StoredManifest(parse_manifest(outcome.manifest), outcome.digest, len(outcome.manifest))

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from bulletin import Publisher, Subscriber
 from bulletin.distributed import LocalShard, ShardedPublisher
@@ -234,3 +236,19 @@ def test_a_keyframe_that_failed_half_way_is_published_again_with_other_bits(tmp_
     with Subscriber(tmp_path, "r") as sub:
         assert sub.sync() == 1
         assert_bits_equal(sub.target.arrays, trainer.served())  # type: ignore[attr-defined]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 37), st.sampled_from(["<i8", "<u2", "<u1", "<u4"])), max_size=6))
+def test_a_framed_message_arrives_whole_with_its_arrays_aligned(arrays: list[tuple[int, str]]) -> None:
+    """Comm.exchange's framing: arrays of any length and width out of band, each padded so
+    that every array is a view of the receive buffer at an aligned offset."""
+    from bulletin.distributed.comm import _frame, _unframe
+
+    item = [(f"t{i}", np.arange(n, dtype=dt), i) for i, (n, dt) in enumerate(arrays)]
+    data = np.frombuffer(b"".join(bytes(piece) for piece in _frame(item)), dtype=np.uint8).copy()
+    got = _unframe(data)
+    assert [(name, i) for name, _, i in got] == [(name, i) for name, _, i in item]
+    for (_, ours, _), (_, sent, _) in zip(got, item, strict=True):
+        assert ours.dtype == sent.dtype and ours.tobytes() == sent.tobytes()
+        assert ours.flags.aligned

@@ -25,7 +25,7 @@ pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[2]
 WORLDS = (1, 2, 4)
-RUNS = {"fsdp": 8, "megatron": 5, "pipeline": 4}
+RUNS = {"fsdp": 8, "megatron": 5, "pipeline": 4, "reshard": 4}
 
 
 def launch(world: int, folder: Path) -> list[subprocess.Popen[bytes]]:
@@ -114,3 +114,12 @@ def test_the_chain_has_keyframes_and_patches(stores: dict[int, str]) -> None:
     assert kinds == ["k", "p", "p", "p", "k", "p", "p", "p"]
     patch = r.read_manifest(2).manifest.patch
     assert patch is not None and len(patch.shards) > 1  # several writer ranks' shards, one patch
+
+
+def test_a_new_placement_is_published_in_full(stores: dict[int, str]) -> None:
+    """Blocks moved between ranks make the next version a keyframe on every rank (the
+    same versions as one process's: test_every_world_size_publishes_the_same_versions)."""
+    for world, expected in ((1, ["k", "p", "p", "p"]), (2, ["k", "p", "k", "k"]), (4, ["k", "p", "k", "k"])):
+        r = Run(open_store(stores[world]), "reshard")
+        manifests = [r.read_manifest(v).manifest for v in range(1, RUNS["reshard"] + 1)]
+        assert ["k" if m.keyframe else "p" for m in manifests] == expected, world

@@ -162,11 +162,28 @@ def pipeline(rank: int, world: int, store: str) -> None:
     pub.close()
 
 
+def reshard(rank: int, world: int, store: str) -> None:
+    """The same tensors placed otherwise between steps (rows given to other ranks, then
+    cut along another dimension): no rank's kept blocks are the base of its new ones, so
+    each new placement is published in full, the same versions as one process's."""
+    pub = ShardedPublisher(store, "reshard", keyframe_every=10, timeout_s=60)
+    for version in range(1, 5):
+        w, v = _full("w", (8, 6), version), _full("v", (6, 8), version)
+        lo, n = _split(8, world, rank if version < 3 else world - 1 - rank)
+        state = {"w": LocalShard(w[lo : lo + n].clone(), (8, 6), (lo, 0))}
+        if version < 4:
+            state["v"] = LocalShard(v[lo * 6 // 8 : (lo + n) * 6 // 8].clone(), (6, 8), (lo * 6 // 8, 0))
+        else:
+            state["v"] = LocalShard(v[:, lo : lo + n].contiguous(), (6, 8), (0, lo))
+        pub.publish(state)
+    pub.close()
+
+
 def main() -> None:
     rank, world, init, store = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     torch.set_num_threads(1)  # the same matmul blocking at every world size
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
-    for scenario in (fsdp, megatron, pipeline):
+    for scenario in (fsdp, megatron, pipeline, reshard):
         scenario(rank, world, store)
     dist.barrier()
     dist.destroy_process_group()
