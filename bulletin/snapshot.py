@@ -176,9 +176,10 @@ def _numpy_bits(value: NDArray[Any], source: str, served: str, copy: bool) -> Bi
     return np.array(bits, copy=True) if copy and array is value else bits
 
 
-def _read(value: Any, source: str, served: str, copy: bool) -> Bits:
-    """The served bits of one host tensor, read now: a private copy with ``copy``, else a
-    view of the caller's memory where no cast is needed."""
+def read_served(value: Any, source: str, served: str, copy: bool) -> Bits:
+    """The served bits of one host tensor of a :func:`layout` (its ``source_dtypes``
+    entry and served dtype), read now: a private copy with ``copy``, else a view of the
+    caller's memory where no cast is needed. The sharded publisher reads its blocks so."""
     kind = _kind(value)
     if kind == "torch":
         return _torch_bits(value, served, copy)
@@ -189,16 +190,9 @@ def _read(value: Any, source: str, served: str, copy: bool) -> Bits:
 
 def _host_source(value: Any, source: str, served: str, copy: bool) -> Source:
     if not copy:
-        return lambda: _read(value, source, served, False)
-    bits = _read(value, source, served, True)  # now: the caller may change its tensor once the snapshot is taken
+        return lambda: read_served(value, source, served, False)
+    bits = read_served(value, source, served, True)  # now: the caller may change its tensor once the snapshot is taken
     return lambda: bits
-
-
-def read_served(value: Any, source: str, served: str, copy: bool) -> Bits:
-    """The served bits of one host tensor of a :func:`layout` (its ``source_dtypes``
-    entry and served dtype), read now: with ``copy``, a private copy; without, a view of
-    the caller's memory where no cast is needed. The sharded publisher reads its blocks so."""
-    return _read(value, source, served, copy)
 
 
 def cast_served(bits: Bits, dtype: str, served: str) -> tuple[str, Bits]:
@@ -231,7 +225,7 @@ def snapshot(state_dict: Mapping[str, Any], *, dtype: str = "BF16") -> ServedBit
     arrays), each a private copy: the caller may change its tensors at once."""
     found = layout(state_dict, dtype)
     bits = {
-        name: _read(value, found.source_dtypes[name], found.specs[name].dtype, True)
+        name: read_served(value, found.source_dtypes[name], found.specs[name].dtype, True)
         for name, value in found.values.items()
     }
     return ServedBits(found.specs, bits, found.aliases)
@@ -269,12 +263,12 @@ def take_snapshot(
             continue
         source = found.source_dtypes[name]
         if copy and not full:
-            delta = base.diff_next(spec, _read(value, source, spec.dtype, False), ranked=ranked)
+            delta = base.diff_next(spec, read_served(value, source, spec.dtype, False), ranked=ranked)
             if delta is not None:
                 snap.changes[name] = delta
                 continue
         if copy:
-            copies[name] = _read(value, source, spec.dtype, True)
+            copies[name] = read_served(value, source, spec.dtype, True)
         else:
             snap.sources[name] = _host_source(value, source, spec.dtype, False)
     for name, bits in copies.items():

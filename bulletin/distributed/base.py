@@ -50,7 +50,6 @@ class PartBase:
         self.stored: StoredManifest | None = None  # the manifest itself (every rank holds it: O(manifest))
         self.specs: dict[str, TensorSpec] = {}
         self.fingerprints: dict[str, int] = {}
-        self.blocks: dict[str, Block] = {}
         self.kept: dict[str, NDArray[np.unsignedinteger]] = {}
         #: The owners of every block when the kept blocks were made: the same on every rank.
         self.owners: dict[str, list[tuple[int, Block]]] = {}
@@ -67,11 +66,9 @@ class PartBase:
         changes: Mapping[str, tuple[NDArray[np.int64], NDArray[np.unsignedinteger]]] | None,
         kept: dict[str, NDArray[np.unsignedinteger]] | None,
         layout: Layout,
-        rank: int,
     ) -> None:
-        """``stored`` is committed: the blocks ``rank`` owns in ``layout`` move by
-        ``changes`` (local flat indices and deltas: a patch version) or become ``kept``
-        (a keyframe)."""
+        """``stored`` is committed: this rank's blocks of ``layout`` move by ``changes``
+        (local flat indices and deltas: a patch version) or become ``kept`` (a keyframe)."""
         if kept is not None:
             self.kept = kept
         elif changes is not None:
@@ -81,7 +78,7 @@ class PartBase:
         else:  # pragma: no cover - callers pass one
             raise InternalError(f"version {stored.version} committed with neither changes nor bits")
         self._hold(stored)
-        self.blocks, self.owners = layout.owned(rank), layout.owners
+        self.owners = layout.owners
 
     def _hold(self, stored: StoredManifest | None) -> None:
         self.stored = stored
@@ -93,7 +90,7 @@ class PartBase:
     def forget(self, tip: StoredManifest | None) -> None:
         """Hold ``tip`` without bits (the next version is a keyframe: a new layout)."""
         self._hold(tip)
-        self.kept, self.blocks, self.owners = {}, {}, {}
+        self.kept, self.owners = {}, {}
 
     def load(self, run: Run, tip: StoredManifest, owned: Mapping[str, Block]) -> dict[str, NDArray[np.unsignedinteger]]:
         """``tip``'s bits of the ``owned`` blocks, from the run: the keyframe's files that
@@ -120,11 +117,10 @@ class PartBase:
         tip: StoredManifest,
         kept: dict[str, NDArray[np.unsignedinteger]],
         layout: Layout,
-        rank: int,
         sums: Mapping[str, int],
     ) -> None:
-        """Hold ``tip`` with the ``kept`` blocks :meth:`load` gave for the blocks ``rank``
-        owns in ``layout``, once the fingerprints summed over every rank's blocks
+        """Hold ``tip`` with the ``kept`` blocks :meth:`load` gave for this rank's blocks
+        of ``layout``, once the fingerprints summed over every rank's blocks
         (``sums``) are the manifest's."""
         wrong = sorted(name for name in tip.manifest.specs if sums.get(name) != tip.manifest.fingerprints[name])
         if wrong:
@@ -132,7 +128,7 @@ class PartBase:
                 f"version {tip.version} rebuilt from the run misses the fingerprints of {', '.join(wrong[:3])}"
             )
         self.kept = kept
-        self.blocks, self.owners = layout.owned(rank), layout.owners
+        self.owners = layout.owners
         self._hold(tip)
 
 

@@ -462,7 +462,7 @@ class ShardedPublisher:
             except BaseException as exc:
                 error = exc
             sums = _sums(self._agree(error, "rebuilding its base from the run", parts))
-            self._base.hold(tip, kept, layout, self.rank, sums)  # FingerprintMismatch on every rank alike
+            self._base.hold(tip, kept, layout, sums)  # FingerprintMismatch on every rank alike
         self._resumed = True
 
     # -- a patch version -----------------------------------------------------------------
@@ -535,7 +535,7 @@ class ShardedPublisher:
             codec=self.codec, shards=tuple(r for part in all_refs for r in part), changed_elements=changed
         )
         stored = self._commit(version, layout, fps, patch_ref, None, snap.metadata)
-        base.advance(stored, changes, None, layout, self.rank)
+        base.advance(stored, changes, None, layout)
         self._at("advanced", version)
         return self._result(stored)
 
@@ -606,7 +606,7 @@ class ShardedPublisher:
         ordered = tuple(ref for _, ref in sorted((i, r) for part in all_refs for i, r in part))
         keyframe_ref = KeyframeRef(prefix=prefix, files=ordered)
         stored = self._commit(version, layout, fps, None, keyframe_ref, snap.metadata)
-        self._base.advance(stored, None, kept, layout, self.rank)
+        self._base.advance(stored, None, kept, layout)
         self._at("advanced", version)
         return self._result(stored)
 
