@@ -177,14 +177,16 @@ static void release(Py_buffer *bufs, int n) {
 /* Bytes compared per block: a block with no difference costs eight word XORs. */
 #define DIFF_BLOCK 64
 
-/* One change found by the diff: recorded at position `count` of the outputs. */
-HOT void record(int width, Py_ssize_t index, uint64_t was, uint64_t now, Py_ssize_t count, unsigned char *idx_out,
-                unsigned char *was_out, unsigned char *delta_out, uint64_t *fp) {
+/* One change found by the diff: recorded at position `count` of the outputs, its index
+ * hashed as `index + first` (the tensor's own index of a block's element 0). */
+HOT void record(int width, Py_ssize_t index, uint64_t first, uint64_t was, uint64_t now, Py_ssize_t count,
+                unsigned char *idx_out, unsigned char *was_out, unsigned char *delta_out, uint64_t *fp) {
     int64_t i = (int64_t)index;
     memcpy(idx_out + count * 8, &i, 8);
     store(was_out + count * width, width, was);
     store(delta_out + count * width, width, (now - was) & width_mask(width));
-    *fp += element_hash((uint64_t)index, now) - element_hash((uint64_t)index, was);
+    const uint64_t at = (uint64_t)index + first;
+    *fp += element_hash(at, now) - element_hash(at, was);
 }
 
 typedef struct {
@@ -192,8 +194,11 @@ typedef struct {
     uint64_t fp;
 } DiffResult;
 
+/* Elements [pos, n) of a -> c; recorded indices are `base` + the element's own, hashed
+ * with `first` added (see record). */
 HOT DiffResult diff_scan(int width, const unsigned char *a, const unsigned char *c, Py_ssize_t n, Py_ssize_t pos,
-                         Py_ssize_t cap, unsigned char *idx_out, unsigned char *was_out, unsigned char *delta_out) {
+                         Py_ssize_t cap, unsigned char *idx_out, unsigned char *was_out, unsigned char *delta_out,
+                         Py_ssize_t base, uint64_t first) {
     const Py_ssize_t per_block = DIFF_BLOCK / width;
     Py_ssize_t count = 0, i = pos;
     uint64_t fp = 0;
@@ -218,14 +223,14 @@ HOT DiffResult diff_scan(int width, const unsigned char *a, const unsigned char 
                 const int shift = (__builtin_ctzll(d) / (8 * width)) * (8 * width);
                 const uint64_t mask = width_mask(width);
                 d &= ~(mask << shift);
-                record(width, i + (w + (shift >> 3)) / width, (x >> shift) & mask, (y >> shift) & mask, count++, idx_out,
-                       was_out, delta_out, &fp);
+                record(width, base + i + (w + (shift >> 3)) / width, first, (x >> shift) & mask, (y >> shift) & mask,
+                       count++, idx_out, was_out, delta_out, &fp);
             }
         }
 #else
         for (Py_ssize_t k = 0; k < per_block; k++) {
             uint64_t was = load(pa + k * width, width), now = load(pc + k * width, width);
-            if (was != now) record(width, i + k, was, now, count++, idx_out, was_out, delta_out, &fp);
+            if (was != now) record(width, base + i + k, first, was, now, count++, idx_out, was_out, delta_out, &fp);
         }
 #endif
     }
@@ -233,7 +238,7 @@ HOT DiffResult diff_scan(int width, const unsigned char *a, const unsigned char 
     if (i + per_block > n && cap - count >= n - i) {
         for (; i < n; i++) {
             uint64_t was = load(a + i * width, width), now = load(c + i * width, width);
-            if (was != now) record(width, i, was, now, count++, idx_out, was_out, delta_out, &fp);
+            if (was != now) record(width, base + i, first, was, now, count++, idx_out, was_out, delta_out, &fp);
         }
     }
     DiffResult r = {count, i, fp};
@@ -241,19 +246,21 @@ HOT DiffResult diff_scan(int width, const unsigned char *a, const unsigned char 
 }
 
 PyDoc_STRVAR(diff_doc,
-             "diff(old, new, width, pos, indices_out, was_out, delta_out) -> (count, next_pos, fingerprint_change)\n\n"
+             "diff(old, new, width, pos, indices_out, was_out, delta_out, first=0)\n"
+             "    -> (count, next_pos, fingerprint_change)\n\n"
              "Scan elements pos.. of two equal-length bit buffers; write each changed element's index\n"
              "(int64), old bits and (new - old) mod 2**bits to the outputs, in order, until the end or\n"
              "until the outputs could not hold another block's changes. Returns how many were written,\n"
              "where the scan stopped (the buffer's length at the end), and the fingerprint change\n"
-             "sum(H(i, new) - H(i, old)) mod 2**64 of the changes written. Outputs need room for at\n"
-             "least 64 elements.");
+             "sum(H(first + i, new) - H(first + i, old)) mod 2**64 of the changes written (`first`: a\n"
+             "block's place in its tensor). Outputs need room for at least 64 elements.");
 
 static PyObject *py_diff(PyObject *self, PyObject *args) {
     Py_buffer b[5] = {{0}};
     int width;
     Py_ssize_t pos;
-    if (!PyArg_ParseTuple(args, "y*y*inw*w*w*", &b[0], &b[1], &width, &pos, &b[2], &b[3], &b[4])) {
+    unsigned long long first = 0;
+    if (!PyArg_ParseTuple(args, "y*y*inw*w*w*|K", &b[0], &b[1], &width, &pos, &b[2], &b[3], &b[4], &first)) {
         release(b, 5);
         return NULL;
     }
@@ -278,7 +285,7 @@ static PyObject *py_diff(PyObject *self, PyObject *args) {
         unsigned char *io = b[2].buf, *wo = b[3].buf, *d = b[4].buf;
         DiffResult r;
         Py_BEGIN_ALLOW_THREADS;
-        BY_WIDTH(width, r = diff_scan(W, a, c, n, pos, cap, io, wo, d));
+        BY_WIDTH(width, r = diff_scan(W, a, c, n, pos, cap, io, wo, d, 0, first));
         Py_END_ALLOW_THREADS;
         result = Py_BuildValue("nnK", r.count, r.next, (unsigned long long)r.fp);
     }
@@ -640,6 +647,78 @@ static PyObject *py_cast(PyObject *self, PyObject *args) {
     }
 done:
     release(b, 2);
+    return result;
+}
+
+/* -- the cast and the diff in one pass -------------------------------------------------- */
+
+/* Source elements cast per step: the cast lands in a buffer that stays in the L1 cache
+ * until the diff reads it back (a chunk of 1 M elements in Python lived in L2/L3). */
+#define CAST_DIFF_STEP 2048
+
+PyDoc_STRVAR(cast_diff_doc,
+             "cast_diff(old, src, kind, pos, first, indices_out, was_out, delta_out, widest=2)\n"
+             "    -> (count, next_pos, fingerprint_change)\n\n"
+             "diff(old, cast(src, kind), 2, pos, ...) without the cast's copy: src's uint32 F32 bits are\n"
+             "cast (kind as cast's) a few thousand elements at a time and each step diffed against\n"
+             "old's uint16 bits there, recording changes as diff does (indices from 0) until the end\n"
+             "or until the outputs could not hold another block's. The fingerprint change hashes\n"
+             "each index plus `first` (a block's place in its tensor: a rank's part of the sum).");
+
+static PyObject *py_cast_diff(PyObject *self, PyObject *args) {
+    Py_buffer b[5] = {{0}};
+    int kind, widest = 2;
+    Py_ssize_t pos;
+    unsigned long long first;
+    if (!PyArg_ParseTuple(args, "y*y*inKw*w*w*|i", &b[0], &b[1], &kind, &pos, &first, &b[2], &b[3], &b[4],
+                          &widest)) {
+        release(b, 5);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    Py_ssize_t n = items(&b[0], 2, "old");
+    if (n < 0 || check_len(&b[1], n, 4, "src") < 0) goto done;
+    if (kind != 0 && kind != 1) {
+        PyErr_SetString(PyExc_ValueError, "kind must be 0 (BF16) or 1 (F16)");
+        goto done;
+    }
+    if (pos < 0 || pos > n) {
+        PyErr_Format(PyExc_ValueError, "pos %zd outside [0, %zd]", pos, n);
+        goto done;
+    }
+    Py_ssize_t cap = items(&b[2], 8, "indices_out");
+    if (cap < 0 || check_len(&b[3], cap, 2, "was_out") < 0 || check_len(&b[4], cap, 2, "delta_out") < 0) goto done;
+    if (cap < DIFF_BLOCK / 2) {
+        PyErr_Format(PyExc_ValueError, "outputs hold %zd elements, at least %d needed", cap, DIFF_BLOCK / 2);
+        goto done;
+    }
+    {
+        const unsigned char *a = b[0].buf, *src = b[1].buf;
+        unsigned char *io = b[2].buf, *wo = b[3].buf, *d = b[4].buf;
+        const CastFn cast = cast_fn_at(kind, widest);
+        Py_ssize_t count = 0, i = pos;
+        uint64_t fp = 0;
+        Py_BEGIN_ALLOW_THREADS;
+        unsigned char buffer[2 * CAST_DIFF_STEP];
+        while (i < n) {
+            const Py_ssize_t m = n - i < CAST_DIFF_STEP ? n - i : CAST_DIFF_STEP;
+            cast(src + 4 * i, buffer, m);
+            /* The buffer holds elements i..i+m: scanned from its start, recorded from i. */
+            DiffResult r = diff_scan(2, a + 2 * i, buffer, m, 0, cap - count, io + 8 * count, wo + 2 * count,
+                                     d + 2 * count, i, first);
+            count += r.count;
+            fp += r.fp;
+            if (r.next < m) {
+                i += r.next;
+                break;
+            }
+            i += m;
+        }
+        Py_END_ALLOW_THREADS;
+        result = Py_BuildValue("nnK", count, i, (unsigned long long)fp);
+    }
+done:
+    release(b, 5);
     return result;
 }
 
@@ -1794,7 +1873,7 @@ HOT DiffResult ctx_diff_loop(int W, const Classes *k, const unsigned char *a, co
             cls_out[count] = (unsigned char)cl;
             rank_out[count] = (int64_t)totals[cl];
             changed[e]++;
-            record(W, i, was, now, count++, idx_out, was_out, delta_out, &fp);
+            record(W, i, 0, was, now, count++, idx_out, was_out, delta_out, &fp);
         }
         totals[cl]++;
     }
@@ -2098,7 +2177,7 @@ AVX2 static DiffResult ctx_diff_avx2(const Classes *k, int lo, int nclasses, con
                 rank_out[count] = (int64_t)counter_rank(&s, c0, c1, cb, off, &c);
                 cls_out[count] = (unsigned char)c;
                 changed_out[(was >> k->shift) & k->emask]++;
-                record(2, i + off, was, load(q + 2 * off, 2), count++, idx_out, was_out, delta_out, &fp);
+                record(2, i + off, 0, was, load(q + 2 * off, 2), count++, idx_out, was_out, delta_out, &fp);
             }
         }
         counter_add(&s, c0, c1);
@@ -2844,6 +2923,7 @@ static PyMethodDef methods[] = {
     {"scatter", py_scatter, METH_VARARGS, scatter_doc},
     {"check_changes", py_check_changes, METH_VARARGS, check_changes_doc},
     {"cast", py_cast, METH_VARARGS, cast_doc},
+    {"cast_diff", py_cast_diff, METH_VARARGS, cast_diff_doc},
     {"decode_gaps", py_decode_gaps, METH_VARARGS, decode_gaps_doc},
     {"decode_deltas", py_decode_deltas, METH_VARARGS, decode_deltas_doc},
     {"apply_entry", py_apply_entry, METH_VARARGS, apply_entry_doc},

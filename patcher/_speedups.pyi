@@ -9,13 +9,25 @@ In: TypeAlias = ReadableBuffer | NDArray[Any]
 Out: TypeAlias = WriteableBuffer | NDArray[Any]
 
 def diff(
-    old: In, new: In, width: int, pos: int, indices_out: Out, was_out: Out, delta_out: Out, /
+    old: In, new: In, width: int, pos: int, indices_out: Out, was_out: Out, delta_out: Out, first: int = 0, /
 ) -> tuple[int, int, int]: ...
 def fingerprint(bits: In, width: int, first_index: int, vector: bool = True, /) -> int: ...
 def fingerprint_change(indices: In, old: In, new: In, width: int, /) -> int: ...
 def scatter_add(target: Out, width: int, indices: In, delta: In, old_out: Out, after: int, /) -> tuple[int, int]: ...
 def scatter(target: Out, width: int, indices: In, values: In, /) -> None: ...
 def cast(src: In, dst: Out, kind: int, widest: int = 2, /) -> None: ...
+def cast_diff(
+    old: In,
+    src: In,
+    kind: int,
+    pos: int,
+    first: int,
+    indices_out: Out,
+    was_out: Out,
+    delta_out: Out,
+    widest: int = 2,
+    /,
+) -> tuple[int, int, int]: ...
 def check_changes(indices: In, delta: In, width: int, numel: int, /) -> int: ...
 def decode_gaps(
     low: In,

@@ -35,6 +35,7 @@ __all__ = [
     "check_targets",
     "check_threads",
     "default_threads",
+    "put_bits",
     "run_parallel",
     "verification_failed",
 ]
@@ -152,11 +153,15 @@ def _scatter(
     return hi - lo, change
 
 
-def _restore(flat: NDArray[np.unsignedinteger], indices: NDArray[np.int64], old: NDArray[np.unsignedinteger]) -> None:
+def put_bits(
+    flat: NDArray[np.unsignedinteger], indices: NDArray[np.int64], values: NDArray[np.unsignedinteger]
+) -> None:
+    """``flat[indices] = values`` (compiled where built), for indices known to be in range
+    (a diff of ``flat`` found them, or a scatter into it applied them)."""
     if native.active():
-        native.speedups.scatter(flat, flat.dtype.itemsize, indices, old)
+        native.speedups.scatter(flat, flat.dtype.itemsize, indices, values)
     else:
-        np.put(flat, indices, old)
+        np.put(flat, indices, values)
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,7 +232,7 @@ def apply(
         # Put back every element overwritten, in every tensor: the holder is as it was.
         for p, (done, _) in zip(pieces, outcomes, strict=True):
             idx = patch.tensors[p.name].indices[p.lo : p.lo + done]
-            _restore(targets[p.name], idx, saved[p.name][p.lo : p.lo + done])
+            put_bits(targets[p.name], idx, saved[p.name][p.lo : p.lo + done])
         if broken:
             bad = sorted({p.name for p, (done, _) in zip(pieces, outcomes, strict=True) if done != p.hi - p.lo})
             for name in bad:

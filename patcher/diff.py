@@ -16,7 +16,8 @@ import numpy as np
 from numpy.typing import NDArray
 
 from patcher import native
-from patcher.cast import cast_bits
+from patcher.cast import cast_bits, cast_kind
+from patcher.dtypes import bits_dtype
 from patcher.errors import IncompatibleTensors, InvalidInput
 from patcher.fingerprint import fingerprint
 from patcher.fingerprint_update import fingerprint_change
@@ -25,6 +26,7 @@ from patcher.patch import Patch, TensorDelta, TensorSpec, check_names
 __all__ = [
     "CAST_CHUNK",
     "CHUNK_WORDS",
+    "cast_changes",
     "checked_bits_view",
     "checked_pairs",
     "diff",
@@ -40,9 +42,10 @@ CHUNK_WORDS: Final = 1 << 18
 
 _MASK64: Final = (1 << 64) - 1
 _I64: Final = np.dtype(np.int64)
-#: Outputs of the compiled diff are first sized for this share of the elements (1/256,
-#: above a one-step transition's few per mille), then grown from the density seen.
-_FIRST_CAPACITY_SHIFT: Final = 8
+#: Outputs of the compiled diff are first sized for this share of the elements (1/128:
+#: a one-step transition changes a few per mille, 4 in the benchmarks, which 1/256 missed,
+#: costing a second scan call and a copy per tensor), then grown from the density seen.
+_FIRST_CAPACITY_SHIFT: Final = 7
 #: The smallest first guess: a second call costs more than this much spare room.
 _MIN_CAPACITY: Final = 1 << 12
 #: Elements diff_cast_bits casts at a time: its buffer (2 MiB of BF16) stays in the
@@ -183,28 +186,84 @@ def native_scan(
     return _concat(parts, [dtypes[k] for k in kept]), fp & _MASK64
 
 
-def _native_changes(a: NDArray[np.unsignedinteger], b: NDArray[np.unsignedinteger]) -> tuple[_Changes, int]:
+def _native_changes(a: NDArray[np.unsignedinteger], b: NDArray[np.unsignedinteger], first: int) -> tuple[_Changes, int]:
     """The compiled diff of flat ``a`` -> ``b``, and its fingerprint change."""
     width = a.dtype.itemsize
     found, fp = native_scan(
-        int(a.size), (_I64, a.dtype, a.dtype), lambda pos, out: native.speedups.diff(a, b, width, pos, *out)
+        int(a.size),
+        (_I64, a.dtype, a.dtype),
+        lambda pos, out: native.speedups.diff(a, b, width, pos, out[0], out[1], out[2], first),
     )
     return cast(_Changes, found), fp
 
 
+def _fingerprinted(found: _Changes, first: int) -> tuple[_Changes, int]:
+    indices, was, delta = found
+    at = indices + first if first else indices
+    return found, fingerprint_change(at, was, was + delta)  # deltas wrap, as the bits do
+
+
 def tensor_changes(
-    old: NDArray[np.unsignedinteger], new: NDArray[np.unsignedinteger], *, fingerprinted: bool = True
+    old: NDArray[np.unsignedinteger], new: NDArray[np.unsignedinteger], *, fingerprinted: bool = True, first: int = 0
 ) -> tuple[_Changes, int]:
     """Changed flat indices, old bits there, and wrapping deltas, with the fingerprint
-    change (0 unless ``fingerprinted``); inputs already checked."""
+    change (0 unless ``fingerprinted``), each index hashed as ``first`` + itself (a block
+    that is one run of its tensor, from flat index ``first``); inputs already checked."""
     a, b = old.reshape(-1), new.reshape(-1)
     if native.active():
-        return _native_changes(a, b)
+        return _native_changes(a, b, first)
     found = _changes_range(a, b, 0, a.size)
-    if not fingerprinted:
-        return found, 0
-    indices, was, delta = found
-    return found, fingerprint_change(indices, was, was + delta)
+    return _fingerprinted(found, first) if fingerprinted else (found, 0)
+
+
+def cast_changes(
+    old: NDArray[np.unsignedinteger],
+    src: NDArray[np.unsignedinteger],
+    source: str,
+    served: str,
+    *,
+    first: int = 0,
+    chunk: int = CAST_CHUNK,
+) -> tuple[_Changes, int]:
+    """``tensor_changes(old, cast_bits(src, source, served), first=first)`` without the
+    cast's whole copy: the source is cast a chunk at a time into a buffer that stays in
+    the CPU's cache and each chunk diffed there, in one read of each input and no
+    full-size write (the copy, its page faults and its reading back were most of a patch
+    step's time with F32 masters: docs/SHARDED.md). The compiled path casts and diffs in
+    one loop (``chunk`` is the NumPy path's)."""
+    if not isinstance(src, np.ndarray) or not src.flags.c_contiguous:
+        raise InvalidInput("a diff that casts needs a C-contiguous source")
+    if not isinstance(old, np.ndarray) or not old.flags.c_contiguous or old.dtype.kind != "u":
+        raise InvalidInput("a diff that casts needs C-contiguous unsigned old bits")
+    a, b = old.reshape(-1), src.reshape(-1)
+    if a.size != b.size:
+        raise IncompatibleTensors(f"old has {a.size} elements, the source {b.size}")
+    if not isinstance(chunk, int) or chunk < 64:
+        raise InvalidInput("chunk must be an int >= 64")
+    kind = cast_kind(source, served)
+    if b.dtype != bits_dtype(source) or a.dtype != bits_dtype(served):
+        raise InvalidInput(
+            f"a diff that casts {source} to {served} needs {bits_dtype(source)} and {bits_dtype(served)} bits"
+        )
+    if kind == "identity":
+        return tensor_changes(a, b, first=first)
+    if native.active():
+        code = 0 if kind == "f32_bf16" else 1
+        found, fp = native_scan(
+            int(a.size),
+            (_I64, a.dtype, a.dtype),
+            lambda pos, out: native.speedups.cast_diff(a, b, code, pos, first, out[0], out[1], out[2]),
+        )
+        return cast(_Changes, found), fp
+    buffer = np.empty(min(chunk, a.size), dtype=a.dtype)
+    parts: list[tuple[NDArray[Any], ...]] = []
+    for start in range(0, a.size, chunk):
+        stop = min(start + chunk, a.size)
+        part = cast_bits(b[start:stop], source, served, out=buffer[: stop - start])
+        found = _changes_range(a[start:stop], part, 0, stop - start)
+        if found[0].size:
+            parts.append((found[0] + start, found[1], found[2]))
+    return _fingerprinted(cast(_Changes, _concat(parts, (_I64, a.dtype, a.dtype))), first)
 
 
 def diff_bits(
@@ -230,27 +289,9 @@ def diff_cast_bits(
     chunk: int = CAST_CHUNK,
 ) -> tuple[NDArray[np.int64], NDArray[np.unsignedinteger]]:
     """``diff_bits(old, cast_bits(src, source, served))``, without the cast's whole copy:
-    ``src`` is cast ``chunk`` elements at a time into one buffer, each diffed against
-    ``old``'s elements there. The same indices and deltas, in one read of each input
-    and no full-size write (the copy, its page faults and its reading back were most of
-    a patch step's time with F32 masters: docs/SHARDED.md)."""
-    if not isinstance(src, np.ndarray) or not src.flags.c_contiguous:
-        raise InvalidInput("diff_cast_bits needs a C-contiguous source")
-    a, b = old.reshape(-1), src.reshape(-1)
-    if a.size != b.size:
-        raise IncompatibleTensors(f"old has {a.size} elements, the source {b.size}")
-    if not isinstance(chunk, int) or chunk < 64:
-        raise InvalidInput("chunk must be an int >= 64")
-    buffer = np.empty(min(chunk, a.size), dtype=a.dtype)
-    parts: list[tuple[NDArray[Any], ...]] = []
-    for start in range(0, a.size, chunk):
-        stop = min(start + chunk, a.size)
-        part = cast_bits(b[start:stop], source, served, out=buffer[: stop - start])
-        idx, delta = diff_bits(a[start:stop], part)
-        if idx.size:
-            parts.append((idx + start, delta))
-    indices, deltas = _concat(parts, (_I64, a.dtype))
-    return indices, deltas
+    :func:`cast_changes`' indices and deltas."""
+    (indices, _, delta), _ = cast_changes(old, src, source, served, chunk=chunk)
+    return indices, delta
 
 
 def _check_fingerprints(specs: Mapping[str, TensorSpec], base_fingerprints: Mapping[str, int]) -> None:

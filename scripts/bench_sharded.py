@@ -45,8 +45,7 @@ def _reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")
 
 
-def _shapes(params: float) -> dict[str, tuple[int, int]]:
-    hidden = 512
+def _shapes(params: float, hidden: int) -> dict[str, tuple[int, int]]:
     layers = max(1, int(params / (12 * hidden * hidden)))
     shapes: dict[str, tuple[int, int]] = {}
     for i in range(layers):
@@ -77,7 +76,7 @@ def rank_main(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     rank, world = args.rank, args.world
     dist.init_process_group("gloo", init_method=f"file://{args.init}", rank=rank, world_size=world)
-    shapes = _shapes(args.params)
+    shapes = _shapes(args.params, args.hidden)
     report: dict[str, Any] = {"mode": args.mode, "world": world, "rank": rank, "steps": []}
     sharded = ShardedPublisher(args.store, "bench", keyframe_every=1000) if args.mode == "sharded" else None
     plain = Publisher(args.store, "bench", keyframe_every=1000) if args.mode == "gather" and rank == 0 else None
@@ -125,7 +124,7 @@ def job(mode: str, world: int, args: argparse.Namespace, folder: Path) -> list[d
     env = {**os.environ, "OMP_NUM_THREADS": "1", "BULLETIN_CACHE_DIR": str(folder / "cache")}
     command = [sys.executable, __file__, "--rank", "{rank}", "--world", str(world), "--mode", mode]
     command += ["--init", str(folder / "init"), "--store", str(folder / "store")]
-    command += ["--params", str(args.params), "--steps", str(args.steps)]
+    command += ["--params", str(args.params), "--hidden", str(args.hidden), "--steps", str(args.steps)]
     procs = [
         subprocess.Popen([c.format(rank=r) for c in command], cwd=ROOT, env=env, stdout=subprocess.PIPE)
         for r in range(world)
@@ -142,6 +141,12 @@ def job(mode: str, world: int, args: argparse.Namespace, folder: Path) -> list[d
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--params", type=float, default=16e6)
+    parser.add_argument(
+        "--hidden",
+        type=int,
+        default=512,
+        help="the model's hidden size: with --params, how many tensors (3 a layer) and how large",
+    )
     parser.add_argument("--worlds", default="1,2,4")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--rank", type=int)
@@ -153,8 +158,12 @@ def main() -> None:
     if args.rank is not None:
         rank_main(args)
         return
-    total = sum(a * b for a, b in _shapes(args.params).values())
-    print(f"model: {total / 1e6:.1f}M FP32 parameters ({2 * total / 2**20:.0f} MiB served as BF16), {args.steps} steps")
+    shapes = _shapes(args.params, args.hidden)
+    total = sum(a * b for a, b in shapes.values())
+    print(
+        f"model: {total / 1e6:.1f}M FP32 parameters in {len(shapes)} tensors (hidden {args.hidden}; "
+        f"{2 * total / 2**20:.0f} MiB served as BF16), {args.steps} steps"
+    )
     print(
         "mode     world  keyframe wall  patch wall  patch CPU/rank  "
         "patch peak extra/rank (x its BF16 shard): max, mean, rank 0  keyframe peak max"

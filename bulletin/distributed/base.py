@@ -29,6 +29,7 @@ from bulletin.distributed.parts import Block, Layout, local_indices
 from bulletin.errors import FingerprintMismatch, FormatError, InternalError
 from bulletin.run import Run, StoredManifest
 from bulletin.sync import plan
+from patcher.apply import put_bits
 from patcher.decode import decode
 from patcher.patch import TensorSpec
 
@@ -67,14 +68,14 @@ class PartBase:
         kept: dict[str, NDArray[np.unsignedinteger]] | None,
         layout: Layout,
     ) -> None:
-        """``stored`` is committed: this rank's blocks of ``layout`` move by ``changes``
-        (local flat indices and deltas: a patch version) or become ``kept`` (a keyframe)."""
+        """``stored`` is committed: this rank's blocks of ``layout`` take ``changes``
+        (local flat indices and the bits there now: a patch version) or become ``kept``
+        (a keyframe)."""
         if kept is not None:
             self.kept = kept
         elif changes is not None:
-            for name, (idx, delta) in changes.items():
-                flat = self.kept[name].reshape(-1)
-                flat[idx] += delta  # unsigned: wraps modulo 2**bits, as deltas do
+            for name, (idx, now) in changes.items():
+                put_bits(self.kept[name].reshape(-1), idx, now)
         else:  # pragma: no cover - callers pass one
             raise InternalError(f"version {stored.version} committed with neither changes nor bits")
         self._hold(stored)

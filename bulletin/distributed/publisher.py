@@ -41,6 +41,7 @@ from bulletin.distributed.parts import (
     Layout,
     RankLayout,
     block_runs,
+    contiguous_start,
     global_indices,
     part_fingerprint,
     plan_layout,
@@ -63,7 +64,7 @@ from bulletin.snapshot import layout as local_layout
 from bulletin.snapshot import read_served
 from bulletin.storage import Conflicted, Store, open_store, require_writable
 from patcher.compression import check_codec
-from patcher.diff import diff_bits, diff_cast_bits
+from patcher.diff import cast_changes
 from patcher.dtypes import SERVED_FLOAT_DTYPES
 from patcher.encode import encode
 from patcher.fingerprint_update import fingerprint_change
@@ -88,6 +89,8 @@ _DEFAULT_KEYFRAME_FILE_BYTES: Final = 1 << 30
 PHASES: Final = ("layout", "diffed", "exchanged", "encoded", "uploaded", "manifest", "committed", "advanced")
 
 Bits = NDArray[np.unsignedinteger]
+#: A block's changes: local flat indices, the bits there before, and the wrapping deltas.
+_Changes = tuple[NDArray[np.int64], Bits, Bits]
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,18 +172,19 @@ class _Snap:
             raise InternalError(f"{name}: taken twice") from None
         return read_served(value, source, served, False)
 
-    def changes(self, name: str, old: Bits) -> tuple[NDArray[np.int64], Bits]:
-        """The block's change from ``old`` (flat kept bits): its indices and deltas. A block
-        read in place whose served bits are a cast of F32 is cast inside the diff
-        (patcher.diff.diff_cast_bits), from its F32 bits."""
+    def changes(self, name: str, old: Bits, served: str, first: int) -> tuple[_Changes, int]:
+        """The block's change from ``old`` (flat kept bits): its indices, old bits and
+        deltas, and its part of the fingerprint change with each index hashed as ``first``
+        + itself. A block read in place whose served bits are a cast of F32 is cast inside
+        the diff (patcher.diff.cast_changes), from its F32 bits."""
         read = self.reads.get(name)
         if read is None or read[1] != "F32" or read[2] == "F32":
-            return diff_bits(old, np.ascontiguousarray(self.take(name)).reshape(-1))
+            new = np.ascontiguousarray(self.take(name)).reshape(-1)
+            return cast_changes(old, new, served, served, first=first)
         del self.reads[name]
-        value, source, served = read
-        return diff_cast_bits(
-            old, np.ascontiguousarray(read_served(value, source, source, False)).reshape(-1), source, served
-        )
+        value, source, _ = read
+        src = np.ascontiguousarray(read_served(value, source, source, False)).reshape(-1)
+        return cast_changes(old, src, source, served, first=first)
 
 
 @dataclass(frozen=True, slots=True)
@@ -478,12 +482,17 @@ class ShardedPublisher:
                 raise InternalError("the base does not hold this rank's blocks")
             for name in sorted(owned):
                 block = owned[name]
-                old = base.kept[name].reshape(-1)
-                idx, delta = snap.changes(name, old)
+                # A run of the tensor (a whole tensor, a Shard(0) block): the diff hashes
+                # each index at its place in the tensor as it goes. Else from global indices.
+                start = contiguous_start(block)
+                (idx, was, delta), fpd = snap.changes(
+                    name, base.kept[name].reshape(-1), layout.specs[name].dtype, start or 0
+                )
                 gidx = global_indices(block, idx)
-                was = old[idx]
-                fpd = fingerprint_change(gidx, was, was + delta)  # deltas wrap, as the bits do
-                changes[name] = (idx, delta)
+                if start is None:
+                    fpd = fingerprint_change(gidx, was, was + delta)  # deltas wrap, as the bits do
+                was += delta  # the bits the base takes once the version is committed
+                changes[name] = (idx, was)
                 outgoing[layout.writers[name]].append((name, gidx, delta, fpd))
         except BaseException as exc:
             error = exc

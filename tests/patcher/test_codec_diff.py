@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import patcher.diff as diff_module
 from bulletin.errors import IncompatibleTensors, InvalidInput
 from patcher.cast import cast_bits
-from patcher.diff import diff, diff_bits, diff_cast_bits
+from patcher.diff import cast_changes, diff, diff_bits, diff_cast_bits, tensor_changes
 from patcher.fingerprint import element_hashes, fingerprint
 from patcher.fingerprint_update import fingerprint_change
 from patcher.patch import TensorSpec
@@ -192,3 +192,32 @@ def test_a_diff_that_casts_refuses_what_it_cannot_pair() -> None:
         diff_cast_bits(old, np.zeros(100, np.uint32), "F32", "BF16", chunk=8)
     with pytest.raises(InvalidInput):
         diff_cast_bits(np.zeros(100, np.uint32), np.zeros(100, np.uint32), "F32", "BF16")
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    served=st.sampled_from(["BF16", "F16", "F32"]),
+    n=st.integers(0, 9000),
+    density=st.sampled_from([0.0, 0.004, 0.05, 1.0]),
+    first=st.sampled_from([0, 1, 4097, 2**40 + 3]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_changes_found_while_casting_are_those_of_the_cast_with_the_block_s_place_hashed(
+    served: str, n: int, density: float, first: int, seed: int
+) -> None:
+    # A block from flat index `first` of its tensor: its part of the fingerprint change
+    # hashes each element at that place (the sum over a sharded tensor's blocks is the
+    # whole tensor's). Density 1.0 over more than 4096 elements outgrows the first outputs.
+    rng = np.random.default_rng(seed)
+    src = (rng.standard_normal(n, dtype=np.float32) * np.float32(0.02)).view(np.uint32)
+    old = cast_bits(src, "F32", served)
+    moved = rng.random(n) < density
+    src[moved] = (src[moved].view(np.float32) * np.float32(1.01) + np.float32(1e-3)).view(np.uint32)
+    new = cast_bits(src, "F32", served)
+    want = np.flatnonzero(old != new)
+    (idx, was, delta), change = cast_changes(old, src, "F32", served, first=first, chunk=64 + seed % 3000)
+    np.testing.assert_array_equal(idx, want)
+    np.testing.assert_array_equal(was, old[want])
+    np.testing.assert_array_equal(delta, new[want] - old[want])
+    assert change == fingerprint_change(want + first, old[want], new[want])
+    assert tensor_changes(old, new, first=first)[1] == change

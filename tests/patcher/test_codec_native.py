@@ -251,6 +251,17 @@ def test_the_extension_refuses_buffers_that_do_not_fit() -> None:
         s.diff(a, a, 2, 101, idx, was, delta)
     with pytest.raises(ValueError, match="at least"):
         s.diff(a, a, 1, 0, idx[:10], was[:5], delta[:5])
+    src = np.zeros(100, np.uint32)
+    with pytest.raises(ValueError, match="src"):
+        s.cast_diff(a, src[:99], 0, 0, 0, idx, was, delta)
+    with pytest.raises(ValueError, match="kind"):
+        s.cast_diff(a, src, 2, 0, 0, idx, was, delta)
+    with pytest.raises(ValueError, match="pos"):
+        s.cast_diff(a, src, 0, 101, 0, idx, was, delta)
+    with pytest.raises(ValueError, match="at least"):
+        s.cast_diff(a, src, 0, 0, 0, idx[:10], was[:10], delta[:10])
+    with pytest.raises(ValueError, match="was_out"):
+        s.cast_diff(a, src, 0, 0, 0, idx, was[:10], delta)
     with pytest.raises(ValueError, match="old_out"):
         s.scatter_add(a, 2, np.array([1], np.int64), np.array([1], np.uint16), np.empty(2, np.uint16), -1)
     with pytest.raises(ValueError, match="out of range"):
