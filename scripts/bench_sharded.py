@@ -172,6 +172,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-sharded-") as scratch:
         for world in (int(w) for w in args.worlds.split(",")):
             for mode in ("sharded", "gather"):
+                os.sync()  # the job before's writes flushed now, not during this job's fsyncs
                 reports = job(mode, world, args, Path(scratch) / f"{mode}-{world}")
                 key = [max(r["steps"][0]["wall_s"] for r in reports)]
                 patch_wall = np.mean([max(r["steps"][s]["wall_s"] for r in reports) for s in range(1, args.steps)])
