@@ -3,7 +3,7 @@ same model, next to gathering the whole model to rank 0 and publishing it there 
 plain ``Publisher`` (what a sharded trainer does without ``ShardedPublisher``), measured
 in the same run.
 
-    python scripts/bench_sharded.py [--params 16e6] [--worlds 1,2,4] [--steps 3]
+    python scripts/bench_sharded.py [--params 16e6] [--hidden 512] [--worlds 1,2,4] [--steps 3]
 
 Every job is fresh processes (gloo over a file store, local-directory store). The model:
 Llama-shaped FP32 matrices split by rows across ranks (FSDP2's ``Shard(0)``), each rank
