@@ -623,6 +623,12 @@ PyDoc_STRVAR(cast_doc,
              "dst's uint16 (as many elements), on the widest vectors the CPU has up to `widest`\n"
              "(0 the baseline, 1 AVX2, 2 AVX-512); the same bits on each.");
 
+static int check_kind(int kind) {
+    if (kind == 0 || kind == 1) return 0;
+    PyErr_SetString(PyExc_ValueError, "kind must be 0 (BF16) or 1 (F16)");
+    return -1;
+}
+
 static PyObject *py_cast(PyObject *self, PyObject *args) {
     Py_buffer b[2] = {{0}};
     int kind, widest = 2;
@@ -633,10 +639,7 @@ static PyObject *py_cast(PyObject *self, PyObject *args) {
     PyObject *result = NULL;
     Py_ssize_t n = items(&b[0], 4, "src");
     if (n < 0 || check_len(&b[1], n, 2, "dst") < 0) goto done;
-    if (kind != 0 && kind != 1) {
-        PyErr_SetString(PyExc_ValueError, "kind must be 0 (BF16) or 1 (F16)");
-        goto done;
-    }
+    if (check_kind(kind) < 0) goto done;
     {
         const unsigned char *src = b[0].buf;
         unsigned char *dst = b[1].buf;
@@ -678,10 +681,7 @@ static PyObject *py_cast_diff(PyObject *self, PyObject *args) {
     PyObject *result = NULL;
     Py_ssize_t n = items(&b[0], 2, "old");
     if (n < 0 || check_len(&b[1], n, 4, "src") < 0) goto done;
-    if (kind != 0 && kind != 1) {
-        PyErr_SetString(PyExc_ValueError, "kind must be 0 (BF16) or 1 (F16)");
-        goto done;
-    }
+    if (check_kind(kind) < 0) goto done;
     if (pos < 0 || pos > n) {
         PyErr_Format(PyExc_ValueError, "pos %zd outside [0, %zd]", pos, n);
         goto done;
