@@ -26,6 +26,7 @@ from patcher.patch import Patch, TensorDelta, TensorSpec, check_names
 __all__ = [
     "CAST_CHUNK",
     "CHUNK_WORDS",
+    "Changes",
     "cast_changes",
     "checked_bits_view",
     "checked_pairs",
@@ -48,7 +49,7 @@ _I64: Final = np.dtype(np.int64)
 _FIRST_CAPACITY_SHIFT: Final = 7
 #: The smallest first guess: a second call costs more than this much spare room.
 _MIN_CAPACITY: Final = 1 << 12
-#: Elements diff_cast_bits casts at a time: its buffer (2 MiB of BF16) stays in the
+#: Elements cast_changes' NumPy path casts at a time: its buffer (2 MiB of BF16) stays in the
 #: CPU's cache between the cast that writes it and the diff that reads it.
 CAST_CHUNK: Final = 1 << 20
 
@@ -88,10 +89,11 @@ def _check_pair(old: NDArray[np.unsignedinteger], new: NDArray[np.unsignedintege
         raise IncompatibleTensors(f"diff_bits: {old.dtype}{list(old.shape)} vs {new.dtype}{list(new.shape)}")
 
 
-_Changes = tuple[NDArray[np.int64], NDArray[np.unsignedinteger], NDArray[np.unsignedinteger]]
+#: A diff's changes: flat indices, the old bits there, and the wrapping deltas.
+Changes = tuple[NDArray[np.int64], NDArray[np.unsignedinteger], NDArray[np.unsignedinteger]]
 
 
-def _changes_in(a: NDArray[np.unsignedinteger], b: NDArray[np.unsignedinteger], base: int) -> _Changes | None:
+def _changes_in(a: NDArray[np.unsignedinteger], b: NDArray[np.unsignedinteger], base: int) -> Changes | None:
     """Changes between two short flat arrays, indices offset by ``base``."""
     local = np.flatnonzero(a != b)
     if local.size == 0:
@@ -111,7 +113,7 @@ def _concat(parts: Sequence[tuple[NDArray[Any], ...]], dtypes: Sequence[np.dtype
     return tuple(np.concatenate([p[k] for p in parts]) for k in range(len(dtypes)))
 
 
-def _changes_range(a: NDArray[np.unsignedinteger], b: NDArray[np.unsignedinteger], start: int, stop: int) -> _Changes:
+def _changes_range(a: NDArray[np.unsignedinteger], b: NDArray[np.unsignedinteger], start: int, stop: int) -> Changes:
     """Changes of flat ``a`` -> ``b`` within ``[start, stop)``; ``start`` is word-aligned.
 
     Compares 64-bit words (several elements each): the mask and its scan shrink by the
@@ -121,7 +123,7 @@ def _changes_range(a: NDArray[np.unsignedinteger], b: NDArray[np.unsignedinteger
     lanes = 8 // dtype.itemsize
     shift = lanes.bit_length() - 1  # lanes is 1, 2, 4 or 8
     body = stop - (stop - start) % lanes
-    parts: list[_Changes] = []
+    parts: list[Changes] = []
     if body > start:
         aw, bw = a[start:body].view(np.uint64), b[start:body].view(np.uint64)
         mask = np.empty(min(aw.size, CHUNK_WORDS), dtype=np.bool_)
@@ -147,7 +149,7 @@ def _changes_range(a: NDArray[np.unsignedinteger], b: NDArray[np.unsignedinteger
         tail = _changes_in(a[body:stop], b[body:stop], body)
         if tail is not None:
             parts.append(tail)
-    return cast(_Changes, _concat(parts, (_I64, dtype, dtype)))
+    return cast(Changes, _concat(parts, (_I64, dtype, dtype)))
 
 
 def _trimmed(array: NDArray[Any], count: int) -> NDArray[Any]:
@@ -186,7 +188,7 @@ def native_scan(
     return _concat(parts, [dtypes[k] for k in kept]), fp & _MASK64
 
 
-def _native_changes(a: NDArray[np.unsignedinteger], b: NDArray[np.unsignedinteger], first: int) -> tuple[_Changes, int]:
+def _native_changes(a: NDArray[np.unsignedinteger], b: NDArray[np.unsignedinteger], first: int) -> tuple[Changes, int]:
     """The compiled diff of flat ``a`` -> ``b``, and its fingerprint change."""
     width = a.dtype.itemsize
     found, fp = native_scan(
@@ -194,10 +196,10 @@ def _native_changes(a: NDArray[np.unsignedinteger], b: NDArray[np.unsignedintege
         (_I64, a.dtype, a.dtype),
         lambda pos, out: native.speedups.diff(a, b, width, pos, out[0], out[1], out[2], first),
     )
-    return cast(_Changes, found), fp
+    return cast(Changes, found), fp
 
 
-def _fingerprinted(found: _Changes, first: int) -> tuple[_Changes, int]:
+def _fingerprinted(found: Changes, first: int) -> tuple[Changes, int]:
     indices, was, delta = found
     at = indices + first if first else indices
     return found, fingerprint_change(at, was, was + delta)  # deltas wrap, as the bits do
@@ -205,7 +207,7 @@ def _fingerprinted(found: _Changes, first: int) -> tuple[_Changes, int]:
 
 def tensor_changes(
     old: NDArray[np.unsignedinteger], new: NDArray[np.unsignedinteger], *, fingerprinted: bool = True, first: int = 0
-) -> tuple[_Changes, int]:
+) -> tuple[Changes, int]:
     """Changed flat indices, old bits there, and wrapping deltas, with the fingerprint
     change (0 unless ``fingerprinted``), each index hashed as ``first`` + itself (a block
     that is one run of its tensor, from flat index ``first``); inputs already checked."""
@@ -224,7 +226,7 @@ def cast_changes(
     *,
     first: int = 0,
     chunk: int = CAST_CHUNK,
-) -> tuple[_Changes, int]:
+) -> tuple[Changes, int]:
     """``tensor_changes(old, cast_bits(src, source, served), first=first)`` without the
     cast's whole copy: the source is cast a chunk at a time into a buffer that stays in
     the CPU's cache and each chunk diffed there, in one read of each input and no
@@ -254,7 +256,7 @@ def cast_changes(
             (_I64, a.dtype, a.dtype),
             lambda pos, out: native.speedups.cast_diff(a, b, code, pos, first, out[0], out[1], out[2]),
         )
-        return cast(_Changes, found), fp
+        return cast(Changes, found), fp
     buffer = np.empty(min(chunk, a.size), dtype=a.dtype)
     parts: list[tuple[NDArray[Any], ...]] = []
     for start in range(0, a.size, chunk):
@@ -263,7 +265,7 @@ def cast_changes(
         found = _changes_range(a[start:stop], part, 0, stop - start)
         if found[0].size:
             parts.append((found[0] + start, found[1], found[2]))
-    return _fingerprinted(cast(_Changes, _concat(parts, (_I64, a.dtype, a.dtype))), first)
+    return _fingerprinted(cast(Changes, _concat(parts, (_I64, a.dtype, a.dtype))), first)
 
 
 def diff_bits(

@@ -155,6 +155,8 @@ def main() -> None:
     parser.add_argument("--init")
     parser.add_argument("--store")
     args = parser.parse_args()
+    if args.hidden < 8:
+        parser.error("--hidden must be >= 8")
     if args.rank is not None:
         rank_main(args)
         return

@@ -64,7 +64,7 @@ from bulletin.snapshot import layout as local_layout
 from bulletin.snapshot import read_served
 from bulletin.storage import Conflicted, Store, open_store, require_writable
 from patcher.compression import check_codec
-from patcher.diff import cast_changes
+from patcher.diff import Changes, cast_changes
 from patcher.dtypes import SERVED_FLOAT_DTYPES
 from patcher.encode import encode
 from patcher.fingerprint_update import fingerprint_change
@@ -89,8 +89,6 @@ _DEFAULT_KEYFRAME_FILE_BYTES: Final = 1 << 30
 PHASES: Final = ("layout", "diffed", "exchanged", "encoded", "uploaded", "manifest", "committed", "advanced")
 
 Bits = NDArray[np.unsignedinteger]
-#: A block's changes: local flat indices, the bits there before, and the wrapping deltas.
-_Changes = tuple[NDArray[np.int64], Bits, Bits]
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,7 +170,7 @@ class _Snap:
             raise InternalError(f"{name}: taken twice") from None
         return read_served(value, source, served, False)
 
-    def changes(self, name: str, old: Bits, served: str, first: int) -> tuple[_Changes, int]:
+    def changes(self, name: str, old: Bits, served: str, first: int) -> tuple[Changes, int]:
         """The block's change from ``old`` (flat kept bits): its indices, old bits and
         deltas, and its part of the fingerprint change with each index hashed as ``first``
         + itself. A block read in place whose served bits are a cast of F32 is cast inside
@@ -489,10 +487,10 @@ class ShardedPublisher:
                     name, base.kept[name].reshape(-1), layout.specs[name].dtype, start or 0
                 )
                 gidx = global_indices(block, idx)
+                now = was + delta  # deltas wrap, as the bits do: what the base takes once committed
                 if start is None:
-                    fpd = fingerprint_change(gidx, was, was + delta)  # deltas wrap, as the bits do
-                was += delta  # the bits the base takes once the version is committed
-                changes[name] = (idx, was)
+                    fpd = fingerprint_change(gidx, was, now)
+                changes[name] = (idx, now)
                 outgoing[layout.writers[name]].append((name, gidx, delta, fpd))
         except BaseException as exc:
             error = exc
