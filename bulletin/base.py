@@ -44,8 +44,15 @@ before. Two halves:
 The publisher's thread takes snapshots while its background thread commits: one lock
 makes each commit's write of the maps and each tensor's diff against them atomic.
 
-Whole today; a shard of each tensor (global offsets, per-part fingerprints summed) is
-the same object with a smaller folder.
+**Whole or in blocks.** A :class:`~bulletin.Publisher` holds every tensor whole. A rank
+of a :class:`~bulletin.distributed.ShardedPublisher` holds only the block of each
+tensor it owns (:mod:`bulletin.blocks`): its folder is one safetensors file of those
+blocks, ``state.json`` also names the blocks and each one's **part** of the tensor's
+fingerprint (hashed with the tensor's own flat indices: the parts of every rank sum to
+the manifest's fingerprint, which the sharded publisher checks across ranks after
+:meth:`PublishedBase.open`). A rebuild then reads only the keyframe files holding the
+rank's tensors, one at a time, and copies its blocks out; patches are applied to the
+blocks, O(changed).
 """
 
 from __future__ import annotations
@@ -61,7 +68,7 @@ import shutil
 import tempfile
 import threading
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,24 +77,27 @@ from typing import Any, Final
 import numpy as np
 from numpy.typing import NDArray
 
-from bulletin.checkpoint import INDEX_NAME, Checkpoint, encode_safetensors_header, hf_index, plan_checkpoint
+from bulletin.blocks import Block, block_slices, contiguous_start, global_indices, local_indices, part_fingerprint
+from bulletin.checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint, encode_safetensors_header
 from bulletin.device_kept import DeviceKept
 from bulletin.errors import BulletinError, FingerprintMismatch, FormatError, InternalError
 from bulletin.fileio import os_errors, write_atomic
+from bulletin.keyframe_stage import StagedKeyframe
 from bulletin.run import Run, StoredManifest
 from bulletin.shared_files import Privatizer, make_private, remove_temps, shared_files
 from bulletin.sync import plan
 from bulletin.target import Held
-from patcher.apply import apply
+from patcher.apply import apply, put_bits
 from patcher.context_diff import diff_ranked
 from patcher.decode import decode
-from patcher.diff import diff
+from patcher.diff import cast_changes, diff
 from patcher.fingerprint import fingerprint, format_fingerprint, parse_fingerprint
+from patcher.fingerprint_update import fingerprint_change
 from patcher.fold import fold
 from patcher.patch import Patch, TensorDelta, TensorSpec
-from schemas.manifest import FileRef, manifest_files
+from schemas.manifest import FileRef, ObjectRef, manifest_files
 
-__all__ = ["CACHE_ENV", "PublishedBase", "StagedKeyframe", "default_cache_root"]
+__all__ = ["CACHE_ENV", "BlockChanges", "PublishedBase", "default_cache_root"]
 
 #: Overrides where publishers keep their bases (else ``$XDG_CACHE_HOME/bulletin``, else
 #: ``~/.cache/bulletin``; each under ``publisher/<store hash>/<run>``).
@@ -127,119 +137,15 @@ def _store_cache_dir(store_url: str, run: str) -> Path:
 
 
 @dataclass(frozen=True, slots=True)
-class KeyframeFile:
-    """One file of a staged keyframe, as written: its name, path, size and SHA-256."""
-
-    name: str
-    path: Path
-    size: int
-    sha256: str
-
-
-#: Writes at least this large are hashed on another thread while they are written.
-_HASH_APART_BYTES: Final = 1 << 20
-
-
-class StagedKeyframe:
-    """A keyframe being written into a new folder of the cache, tensor by tensor in name
-    order (the order of :func:`~bulletin.checkpoint.plan_checkpoint`), each file's
-    SHA-256 computed as it is written. The bytes are exactly
-    :func:`~bulletin.checkpoint.safetensors_bytes`'. Uploaded from the files (each data
-    file handed to ``on_file`` once it is closed, for an upload to start while the next
-    is written); once its version is committed the folder becomes the base
-    (:meth:`PublishedBase.advance`)."""
-
-    def __init__(self, folder: Path, specs: Mapping[str, TensorSpec], file_bytes: int) -> None:
-        self.folder = folder
-        self.on_file: Callable[[KeyframeFile], None] | None = None
-        self.specs = dict(specs)
-        self._plan = plan_checkpoint(specs, file_bytes)
-        self._order = [(i, spec) for i, (_, shard) in enumerate(self._plan) for spec in shard]
-        self._next = 0
-        self._open: tuple[Any, Any, int] | None = None  # (file object, hash, plan index)
-        self.files: list[KeyframeFile] = []
-        # Each tensor's bytes are hashed on this thread while the caller's writes them.
-        self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bulletin-keyframe-sha256")
-        with os_errors(f"cannot create {folder}"):
-            folder.mkdir(parents=True)
-
-    def write(self, name: str, bits: NDArray[Any]) -> None:
-        """Append tensor ``name`` (the next one in name order) with ``bits``."""
-        if self._next >= len(self._order) or self._order[self._next][1].name != name:
-            raise InternalError(f"keyframe tensors written out of order at {name!r}")
-        index, spec = self._order[self._next]
-        data = np.ascontiguousarray(bits).reshape(-1).view(np.uint8)
-        if data.size != spec.nbytes:
-            raise InternalError(f"{name}: {data.size} bytes for a tensor of {spec.nbytes}")
-        if self._open is None or self._open[2] != index:
-            self._close_file()
-            file_name, shard = self._plan[index]
-            header, _ = encode_safetensors_header(shard, {"format": "pt"})
-            with os_errors(f"cannot write {self.folder / file_name}"):
-                fh = open(self.folder / file_name, "wb")  # noqa: SIM115 - closed by _close_file
-            self._open = (fh, hashlib.sha256(), index)
-            self._put(header)
-        self._put(data.data)
-        self._next += 1
-
-    def _put(self, data: bytes | memoryview) -> None:
-        if self._open is None:  # pragma: no cover - write() opens the file first
-            raise InternalError("keyframe bytes written with no file open")
-        fh, digest, _ = self._open
-        # Both release the GIL: the hash of these bytes overlaps their write, and is
-        # done when this returns (the caller may drop or change them then).
-        hashing = self._hasher.submit(digest.update, data) if len(data) >= _HASH_APART_BYTES else None
-        try:
-            with os_errors(f"cannot write {fh.name}"):
-                fh.write(data)
-        finally:
-            if hashing is not None:
-                hashing.result()
-        if hashing is None:
-            digest.update(data)
-
-    def _close_file(self) -> None:
-        if self._open is None:
-            return
-        fh, digest, index = self._open
-        self._open = None
-        with os_errors(f"cannot write {fh.name}"):
-            fh.close()
-        path = Path(fh.name)
-        done = KeyframeFile(self._plan[index][0], path, path.stat().st_size, digest.hexdigest())
-        self.files.append(done)
-        if self.on_file is not None:
-            self.on_file(done)
-
-    def finish(self) -> list[KeyframeFile]:
-        """Close the last file, write the index of a split keyframe; the files to upload."""
-        if self._next != len(self._order):
-            raise InternalError(f"keyframe finished after {self._next} of {len(self._order)} tensors")
-        self._close_file()
-        if len(self._plan) > 1:
-            index = hf_index(self._plan)
-            path = self.folder / INDEX_NAME
-            with os_errors(f"cannot write {path}"):
-                path.write_bytes(index)
-            self.files.append(KeyframeFile(INDEX_NAME, path, len(index), hashlib.sha256(index).hexdigest()))
-        self._hasher.shutdown()
-        return list(self.files)
-
-    def discard(self) -> None:
-        if self._open is not None:
-            with contextlib.suppress(OSError):
-                self._open[0].close()
-            self._open = None
-        self._hasher.shutdown()
-        shutil.rmtree(self.folder, ignore_errors=True)
-
-
-@dataclass(frozen=True, slots=True)
 class _State:
     version: int
     manifest_digest: str
     folder: str
     fingerprints: dict[str, int]
+    #: What the folder holds of each tensor: its part of the fingerprint, and its block
+    #: where not whole (a whole base holds every tensor: its parts are its fingerprints).
+    parts: dict[str, int]
+    blocks: dict[str, Block]
 
 
 @dataclass(slots=True)
@@ -254,6 +160,18 @@ class _Taken:
     changes: Mapping[str, TensorDelta]
     bits: Mapping[str, Bits]
     fingerprints: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockChanges:
+    """The change of a block: its flat indices in the block (``local``) and in the tensor
+    (``indices``), the deltas, the bits there now, and its part of the fingerprint change."""
+
+    local: NDArray[np.int64]
+    indices: NDArray[np.int64]
+    delta: NDArray[np.unsignedinteger]
+    now: NDArray[np.unsignedinteger]
+    part: int
 
 
 def _undone(delta: TensorDelta) -> TensorDelta:
@@ -272,9 +190,16 @@ def _read_state(path: Path) -> _State | None:
         if not isinstance(folder, str) or not folder.startswith(_FOLDER_PREFIX) or "/" in folder:
             return None
         fps = {str(k): parse_fingerprint(v) for k, v in raw["fingerprints"].items()}
-        return _State(int(raw["version"]), str(raw["manifest_digest"]), folder, fps)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, BulletinError):
+        parts = {str(k): parse_fingerprint(v) for k, v in raw.get("parts", raw["fingerprints"]).items()}
+        blocks = {str(k): Block(tuple(b[0]), tuple(b[1]), tuple(b[2])) for k, b in raw.get("blocks", {}).items()}
+        return _State(int(raw["version"]), str(raw["manifest_digest"]), folder, fps, parts, blocks)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError, BulletinError):
         return None
+
+
+def _cut(blocks: Mapping[str, Block]) -> dict[str, Block]:
+    """The blocks that are not whole tensors: what a state records."""
+    return {name: block for name, block in blocks.items() if not block.is_whole}
 
 
 class PublishedBase:
@@ -283,11 +208,19 @@ class PublishedBase:
     ``cache_dir``: the folder to keep them in (None: the default one for the store and
     run, or a temporary one, removed at :meth:`close`, for a memory store). A folder
     another publisher holds is not shared: this one then works in a temporary folder
-    (a warning says so). Not thread-safe: the publisher calls it from one thread at a
-    time.
+    (a warning says so). ``subfolder``: a folder under it, one per rank of a sharded
+    job (whose ranks may share a file system). Not thread-safe: the publisher calls it
+    from one thread at a time.
     """
 
-    def __init__(self, run: Run, served_dtype: str, cache_dir: str | os.PathLike[str] | None = None) -> None:
+    def __init__(
+        self,
+        run: Run,
+        served_dtype: str,
+        cache_dir: str | os.PathLike[str] | None = None,
+        *,
+        subfolder: str | None = None,
+    ) -> None:
         self._run = run
         self.stored: StoredManifest | None = None
         self._temporary = False
@@ -298,9 +231,15 @@ class PublishedBase:
             self._temporary = True
         else:
             folder = _store_cache_dir(run.store.url, run.name)
+        if subfolder is not None:
+            folder = folder / subfolder
         self.cache_dir = self._lock(folder)
         self._ckpt: Checkpoint | None = None
         self._folder: str | None = None
+        #: The block of each tensor held (whole for a Publisher) and its part of the
+        #: tensor's fingerprint (its fingerprint, when whole).
+        self.blocks: dict[str, Block] = {}
+        self.parts: dict[str, int] = {}
         # The thread making the files a local store shares private (see _shared).
         self._privatizer: Privatizer | None = None
         # The device half, and the snapshots taken since the committed version (queued).
@@ -404,6 +343,10 @@ class PublishedBase:
             "folder": folder,
             "fingerprints": {name: format_fingerprint(fp) for name, fp in sorted(fingerprints.items())},
         }
+        cut = _cut(self.blocks)
+        if cut or set(self.parts) != set(fingerprints):
+            doc["parts"] = {name: format_fingerprint(fp) for name, fp in sorted(self.parts.items())}
+            doc["blocks"] = {n: [list(b.shape), list(b.offsets), list(b.sizes)] for n, b in sorted(cut.items())}
         write_atomic(self.cache_dir / STATE_NAME, [json.dumps(doc, indent=1).encode()])
 
     def _sweep(self) -> None:
@@ -454,24 +397,49 @@ class PublishedBase:
         )
         return patch.tensors[name]
 
-    def open(self, tip: StoredManifest | None) -> None:
-        """Hold ``tip`` (the run's newest version; None for an empty run): the cache's
-        folder when it verifies and the run's patches lead from it to ``tip``, else
-        rebuilt from the run (keyframe files streamed to a new folder, then patches)."""
+    def block_changes(self, name: str, src: NDArray[Any], source: str) -> BlockChanges:
+        """The change of the block held of ``name`` from its committed bits to ``src``
+        (the block's elements in dtype ``source``, cast to the served dtype inside the
+        compiled diff: :func:`~patcher.diff.cast_changes`), and its part of the
+        fingerprint change."""
+        block = self.blocks[name]
+        start = contiguous_start(block)
+        old = self.bits(name).reshape(-1)
+        served = self.specs[name].dtype
+        src = np.ascontiguousarray(src).reshape(-1)
+        # A run of the tensor (a whole tensor, a Shard(0) block): the diff hashes each
+        # index at its place in the tensor as it goes. Else from the global indices.
+        (local, was, delta), part = cast_changes(old, src, source, served, first=start or 0)
+        indices = global_indices(block, local)
+        now = was + delta  # deltas wrap, as the bits do: what the base takes once committed
+        if start is None:
+            part = fingerprint_change(indices, was, now)
+        return BlockChanges(local, indices, delta, now, part)
+
+    def open(self, tip: StoredManifest | None, owned: Mapping[str, Block] | None = None) -> None:
+        """Hold ``tip`` (the run's newest version; None for an empty run), whole or the
+        ``owned`` blocks of its tensors: the cache's folder when it verifies (and holds
+        those blocks) and the run's patches lead from it to ``tip``, else rebuilt from the
+        run (keyframe files streamed to a new folder, or the blocks copied out of them,
+        then patches). Holding blocks, the caller checks that every rank's :attr:`parts`
+        sum to ``tip``'s fingerprints."""
         self._stop_privatizing()
         self._unmap()
-        state = _read_state(self.cache_dir / STATE_NAME)
-        held = self._verified(state, tip) if state is not None else None
         if tip is None:
-            self._stop_privatizing()
-            self.stored, self._folder = None, None
+            self.stored, self._folder, self.blocks, self.parts = None, None, {}, {}
             self._sweep()
             self.reset()
             return
+        specs = tip.manifest.specs
+        wanted = {name: Block.whole(spec.shape) for name, spec in specs.items()} if owned is None else dict(owned)
+        if any(name not in specs or block.shape != specs[name].shape for name, block in wanted.items()):
+            raise InternalError(f"{self._run.name}: blocks asked of tensors version {tip.version} does not hold")
+        state = _read_state(self.cache_dir / STATE_NAME)
+        held = self._verified(state, tip, wanted) if state is not None else None
         if held is not None and (held.version, held.fingerprints) == (tip.version, dict(tip.manifest.fingerprints)):
             log.debug("%s: the cached base holds version %d", self._run.name, tip.version)
         else:
-            self._reach(tip, held)
+            self._reach(tip, held, wanted)
         if self._folder is None:  # pragma: no cover - _verified or _reach mapped one
             raise InternalError(f"{self._run.name}: the base holds version {tip.version} in no folder")
         self.stored = tip
@@ -479,29 +447,65 @@ class PublishedBase:
         self._sweep()
         self.reset()
 
-    def _verified(self, state: _State, tip: StoredManifest | None) -> Held | None:
-        """What the cached folder holds: the state's version if every tensor's fingerprint
-        is the state's, or ``tip`` if every one is the tip's (a publisher killed after
-        writing a commit's changes, before the state named them); else None."""
+    def forget(self, tip: StoredManifest | None) -> None:
+        """Hold ``tip`` without its bits: the next version is a keyframe (a new layout)."""
+        self._stop_privatizing()
+        self._unmap()
+        with contextlib.suppress(FileNotFoundError):
+            (self.cache_dir / STATE_NAME).unlink()  # no folder verifies for it now
+        self.stored, self._folder, self.blocks, self.parts = tip, None, {}, {}
+        self._sweep()
+        self.reset()
+
+    @property
+    def whole_blocks(self) -> bool:
+        """Whether every block held is a whole tensor."""
+        return all(b.is_whole for b in self.blocks.values())
+
+    @property
+    def whole(self) -> bool:
+        """Whether the base holds every tensor of its version whole."""
+        return set(self.blocks) == set(self.specs) and self.whole_blocks
+
+    def _hash_parts(self, ckpt: Checkpoint) -> dict[str, int]:
+        """Each block's part of its tensor's fingerprint, from the folder mapped."""
+        names = list(ckpt)
+
+        def hashed(name: str) -> int:
+            block = self.blocks[name]
+            bits = ckpt.bits(name)
+            return fingerprint(bits) if block.is_whole else part_fingerprint(block, bits)
+
+        with ThreadPoolExecutor(max_workers=_VERIFY_THREADS, thread_name_prefix="bulletin-verify") as pool:
+            return dict(zip(names, pool.map(hashed, names), strict=True))
+
+    def _verified(self, state: _State, tip: StoredManifest, wanted: Mapping[str, Block]) -> Held | None:
+        """What the cached folder holds: the state's version if it holds the ``wanted``
+        blocks and each one's part is the state's, or (whole) ``tip`` if every
+        fingerprint is the tip's (a publisher killed after writing a commit's changes,
+        before the state named them); else None."""
+        if set(state.parts) != set(wanted) or state.blocks != _cut(wanted):
+            log.info("%s: the cached base holds other blocks; rebuilding it", self._run.name)
+            return None
         try:
             ckpt = self._map(state.folder)
+            self.blocks = dict(wanted)
+            specs = tip.manifest.specs
+            if ckpt.specs != {n: TensorSpec(n, specs[n].dtype, b.sizes) for n, b in wanted.items()}:
+                raise FormatError(f"{self.cache_dir / state.folder}: holds other tensors than its state")
         except (BulletinError, OSError) as exc:
             log.info("%s: the cached base cannot be read (%s); rebuilding it", self._run.name, exc)
             self._unmap()
             return None
-        names = list(ckpt)
         self._start_privatizing()  # a keyframe shared with a local store: copied while this reads
-
-        def hashed(name: str) -> int:
-            return fingerprint(ckpt.bits(name))
-
-        with ThreadPoolExecutor(max_workers=_VERIFY_THREADS, thread_name_prefix="bulletin-verify") as pool:
-            found = dict(zip(names, pool.map(hashed, names), strict=True))
-        if found == state.fingerprints:
-            return Held(state.version, found, state.manifest_digest)
-        if tip is not None and found == dict(tip.manifest.fingerprints):
+        found = self._hash_parts(ckpt)
+        if found == state.parts:
+            self.parts = found
+            return Held(state.version, dict(state.fingerprints), state.manifest_digest)
+        if set(found) == set(tip.manifest.specs) and self.whole_blocks and found == dict(tip.manifest.fingerprints):
+            self.parts = found
             return Held(tip.version, found, tip.digest)
-        wrong = sorted(name for name in found if found[name] != state.fingerprints.get(name))
+        wrong = sorted(name for name in found if found[name] != state.parts.get(name))
         log.warning(
             "%s: the cached base of version %d does not verify (%s); rebuilding it",
             self._run.name,
@@ -512,15 +516,20 @@ class PublishedBase:
         self._unmap()
         return None
 
-    def _reach(self, tip: StoredManifest, held: Held | None) -> None:
+    def _reach(self, tip: StoredManifest, held: Held | None, wanted: Mapping[str, Block]) -> None:
         """Bring the folder to ``tip``: patches from ``held`` when the run leads from it,
         else the newest keyframe at or below ``tip`` and the patches after it."""
         route = plan(self._run, tip, held if self._ckpt is not None else None)
+        whole = set(wanted) == set(tip.manifest.specs) and all(b.is_whole for b in wanted.values())
         if route.keyframe is not None:
             self._stop_privatizing()  # the folder goes
             self._unmap()
             self._folder = None
-            self._download_keyframe(route.keyframe)
+            self.blocks = dict(wanted)
+            if whole:
+                self._download_keyframe(route.keyframe)
+            else:
+                self._extract_blocks(route.keyframe)
             fps = dict(route.keyframe.manifest.fingerprints)
         elif held is not None:
             fps = dict(held.fingerprints)
@@ -534,6 +543,14 @@ class PublishedBase:
                 raise InternalError(f"version {step.version} has no patch")
             shards = self._run.download(ref.shards)
             writable = {name: ckpt.bits(name) for name in ckpt}
+            if not whole:  # the blocks take their part of each change; checked across ranks
+                change = decode(shards, specs=step.manifest.specs)
+                for name, block in self.blocks.items():
+                    td = change.tensors[name]
+                    inside, local = local_indices(block, td.indices)
+                    flat = writable[name].reshape(-1)
+                    flat[local] += td.delta[inside]
+                continue
             change = decode(shards, specs=step.manifest.specs, base=writable, base_fingerprints=fps)
             del shards
             fps = apply(change, writable, fps)
@@ -541,6 +558,7 @@ class PublishedBase:
                 raise FingerprintMismatch(
                     f"{self._run.name}: version {step.version}'s patch does not reach its manifest's fingerprints"
                 )
+        self.parts = fps if whole else self._hash_parts(ckpt)
         log.info(
             "%s: the publisher's base now holds version %d (%s)",
             self._run.name,
@@ -550,18 +568,25 @@ class PublishedBase:
             else f"{len(route.patches)} patches onto the cached version",
         )
 
-    def _download_keyframe(self, stored: StoredManifest) -> None:
+    def _keyframe_files(self, stored: StoredManifest) -> dict[str, ObjectRef]:
+        """``stored``'s keyframe files by name, each checked to be one of a checkpoint."""
         ref = stored.manifest.keyframe
         if ref is None:  # pragma: no cover - plan's keyframes have one
             raise InternalError(f"version {stored.version} has no keyframe")
+        files: dict[str, ObjectRef] = {}
+        for obj in ref.files:
+            name = obj.key.rsplit("/", 1)[-1]
+            if name.startswith(".") or not (name.endswith(".safetensors") or name == INDEX_NAME):
+                raise FormatError(f"{obj.key}: not a file of a safetensors checkpoint")
+            files[name] = obj
+        return files
+
+    def _download_keyframe(self, stored: StoredManifest) -> None:
         folder = self._new_folder()
         with os_errors(f"cannot create {folder}"):
             folder.mkdir(parents=True)
         try:
-            for obj in ref.files:
-                name = obj.key.rsplit("/", 1)[-1]
-                if name.startswith(".") or not (name.endswith(".safetensors") or name == INDEX_NAME):
-                    raise FormatError(f"{obj.key}: not a file of a safetensors checkpoint")
+            for name, obj in self._keyframe_files(stored).items():
                 self._run.store.get_to_file(
                     self._run.key(obj.key), folder / name, sha256=obj.sha256, max_bytes=obj.size
                 )
@@ -581,30 +606,109 @@ class PublishedBase:
             shutil.rmtree(folder, ignore_errors=True)
             raise
 
-    def stage(self, specs: Mapping[str, TensorSpec], file_bytes: int) -> StagedKeyframe:
-        """A new folder of the cache for a keyframe of ``specs`` (files of ``file_bytes``)."""
-        return StagedKeyframe(self._new_folder(), specs, file_bytes)
+    def _extract_blocks(self, stored: StoredManifest) -> None:
+        """A new folder holding the blocks of :attr:`blocks` from ``stored``'s keyframe: only
+        the files holding those tensors are downloaded (SHA-256 verified), one at a time,
+        each block copied out to its place in one file, the file then removed."""
+        by_name = self._keyframe_files(stored)
+        specs = stored.manifest.specs
+        folder = self._new_folder()
+        scratch = folder / ".download"  # a dot name: never a tensor file of the folder
+        try:
+            with os_errors(f"cannot create {scratch}"):
+                scratch.mkdir(parents=True)
+            weight_map: dict[str, str] = {}
+            if INDEX_NAME in by_name:
+                obj = by_name[INDEX_NAME]
+                path = scratch / INDEX_NAME
+                self._run.store.get_to_file(self._run.key(obj.key), path, sha256=obj.sha256, max_bytes=obj.size)
+                raw: Any = json.loads(path.read_bytes()).get("weight_map", {})
+                weight_map = {str(k): str(v) for k, v in raw.items()}
+            files: dict[str, list[str]] = {}
+            for name in self.blocks:
+                file = weight_map.get(name, next(iter(by_name)) if len(by_name) == 1 else "")
+                if file not in by_name or not file.endswith(".safetensors"):
+                    raise FormatError(f"version {stored.version}: the keyframe has no file for {name!r}")
+                files.setdefault(file, []).append(name)
+            held = [TensorSpec(name, specs[name].dtype, self.blocks[name].sizes) for name in sorted(self.blocks)]
+            header, offsets = encode_safetensors_header(held, {"format": "pt"})
+            target = folder / SINGLE_NAME
+            with os_errors(f"cannot write {target}"), open(target, "wb") as out:
+                out.write(header)
+                out.truncate(len(header) + sum(spec.nbytes for spec in held))
+                for file, names in sorted(files.items()):
+                    obj = by_name[file]
+                    path = scratch / file
+                    self._run.store.get_to_file(self._run.key(obj.key), path, sha256=obj.sha256, max_bytes=obj.size)
+                    with Checkpoint(path) as ckpt:
+                        for name in names:
+                            if ckpt.specs.get(name) != specs[name]:
+                                raise FormatError(
+                                    f"version {stored.version}: keyframe tensor {name!r} is not its manifest's"
+                                )
+                            part = np.ascontiguousarray(ckpt.bits(name)[block_slices(self.blocks[name])])
+                            out.seek(len(header) + offsets[name][0])
+                            out.write(part.reshape(-1).view(np.uint8).data)
+                            del part
+                    path.unlink()
+            shutil.rmtree(scratch)
+            self._map(folder.name)
+        except BaseException:
+            self._unmap()
+            self._folder = None
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
 
-    def advance(self, stored: StoredManifest, *, patch: Patch | None, staged: StagedKeyframe | None) -> None:
+    def stage(
+        self,
+        specs: Mapping[str, TensorSpec],
+        file_bytes: int,
+        *,
+        blocks: Mapping[str, Block] | None = None,
+        hashed: bool = True,
+    ) -> StagedKeyframe:
+        """A new folder of the cache for a keyframe of ``specs`` (files of ``file_bytes``),
+        or of the ``blocks`` of its tensors (``specs`` then the blocks' shapes)."""
+        return StagedKeyframe(self._new_folder(), specs, file_bytes, blocks=blocks, hashed=hashed)
+
+    def advance(
+        self,
+        stored: StoredManifest,
+        *,
+        patch: Patch | None = None,
+        staged: StagedKeyframe | None = None,
+        changes: Mapping[str, BlockChanges] | None = None,
+        parts: Mapping[str, int] | None = None,
+    ) -> None:
         """Make ``stored``, just committed, the base: the folder ``staged`` was written to
-        (a keyframe version), or ``patch`` (its transition from the version held) written
-        into the maps, changed elements only. The state names it last; its snapshot (and
-        any older one) is let go."""
+        (a keyframe version), or its transition from the version held written into the
+        maps, changed elements only: ``patch`` (whole tensors) or each block's
+        ``changes`` (:meth:`block_changes`). ``parts``: each block's part of the new
+        fingerprints (the fingerprints themselves when whole). The state names it last;
+        its snapshot (and any older one) is let go."""
         with self._mutex:
             if staged is not None:
                 self._stop_privatizing()  # the folder before's: it goes
                 self._map(staged.folder.name)
+                self.blocks = dict(staged.blocks)
             elif patch is not None and self._ckpt is not None and self.stored is not None:
                 ckpt = self._writable()
                 reached = apply(patch, {name: ckpt.bits(name) for name in ckpt}, self.fingerprints)
                 if reached != dict(stored.manifest.fingerprints):  # pragma: no cover - the patch made them
                     raise InternalError(f"version {stored.version}: the base missed the fingerprints it committed")
+            elif changes is not None and self._ckpt is not None and self.stored is not None:
+                ckpt = self._writable()
+                for name, change in changes.items():
+                    put_bits(ckpt.bits(name).reshape(-1), change.local, change.now)
             else:
                 raise InternalError(
                     f"version {stored.version} committed with neither a patch of the base nor a keyframe"
                 )
             if self._folder is None:  # pragma: no cover - a version held is in a folder
                 raise InternalError(f"version {stored.version} committed onto a base in no folder")
+            if parts is None and not (set(self.blocks) == set(stored.manifest.specs) and self.whole_blocks):
+                raise InternalError(f"version {stored.version}: blocks committed without their parts")
+            self.parts = dict(parts) if parts is not None else dict(stored.manifest.fingerprints)
             self.stored = stored
             self._taken = [taken for taken in self._taken if taken.version > stored.version]
         self._write_state(stored, self._folder, stored.manifest.fingerprints)

@@ -1,7 +1,7 @@
 """A staged keyframe's files uploaded while the next ones are still being written.
 
 A keyframe is written into the publisher's cache one file at a time
-(:class:`~bulletin.base.StagedKeyframe`), then every file goes to the store. Waiting for
+(:class:`~bulletin.keyframe_stage.StagedKeyframe`), then every file goes to the store. Waiting for
 the last file before sending the first puts the cache write and the upload end to end;
 :class:`KeyframeUpload` sends each data file as soon as it is closed, a few at a time,
 so that the store's copy (a kernel copy and an fsync on a local store, a multipart
@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from bulletin.base import KeyframeFile
+from bulletin.keyframe_stage import KeyframeFile
 from schemas.manifest import KeyframeRef, ObjectRef
 
 __all__ = ["KeyframeUpload"]

@@ -59,7 +59,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Final, Self
 
-from bulletin.base import KeyframeFile, PublishedBase, StagedKeyframe
+from bulletin.base import PublishedBase
 from bulletin.checkpoint import Checkpoint
 from bulletin.errors import (
     AccessDenied,
@@ -74,6 +74,7 @@ from bulletin.errors import (
     StorageUnavailable,
     VersionConflict,
 )
+from bulletin.keyframe_stage import KeyframeFile, StagedKeyframe
 from bulletin.keyframe_upload import KeyframeUpload
 from bulletin.keyspace import file_key, keyframe_prefix, patch_shard_key
 from bulletin.model_files import ModelFiles, select_model_files, with_served_dtype

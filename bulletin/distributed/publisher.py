@@ -7,7 +7,9 @@
 >>> pub.close()
 
 Each rank diffs the blocks it owns against its kept bits of the last committed version
-(:class:`~bulletin.distributed.base.PartBase`), sends each change (global indices and
+(the :class:`~bulletin.base.PublishedBase` the single-process publisher keeps, holding
+the rank's blocks: memory-mapped in a cache folder per rank, verified against the run
+when the job starts), sends each change (global indices and
 deltas, O(changed)) to the tensor's writer rank, which encodes the tensor's entries;
 the shards are renumbered into one patch, each rank uploads its own, rank 0 creates
 the manifest (the commit point) and broadcasts the outcome; only then does any rank's
@@ -33,23 +35,16 @@ from typing import Any, Final, Self
 import numpy as np
 from numpy.typing import NDArray
 
-from bulletin.checkpoint import INDEX_NAME, encode_safetensors_header, hf_index, plan_checkpoint
-from bulletin.distributed.base import PartBase
+from bulletin.base import BlockChanges, PublishedBase
+from bulletin.blocks import Block, block_runs, part_fingerprint
+from bulletin.checkpoint import INDEX_NAME, Checkpoint, encode_safetensors_header, hf_index, plan_checkpoint
 from bulletin.distributed.comm import Comm
-from bulletin.distributed.parts import (
-    Block,
-    Layout,
-    RankLayout,
-    block_runs,
-    contiguous_start,
-    global_indices,
-    part_fingerprint,
-    plan_layout,
-)
+from bulletin.distributed.parts import Layout, RankLayout, plan_layout
 from bulletin.distributed.shards import renumber
 from bulletin.errors import (
     AccessDenied,
     ConfigError,
+    FingerprintMismatch,
     InternalError,
     InvalidInput,
     RankFailed,
@@ -57,6 +52,7 @@ from bulletin.errors import (
     VersionConflict,
 )
 from bulletin.fileio import pwrite_all
+from bulletin.keyframe_stage import StagedKeyframe
 from bulletin.keyspace import keyframe_prefix, patch_shard_key
 from bulletin.publisher import PublishResult, build_manifest, publish_result
 from bulletin.run import Run, StoredManifest, sha256_hex
@@ -64,10 +60,8 @@ from bulletin.snapshot import layout as local_layout
 from bulletin.snapshot import read_served
 from bulletin.storage import Conflicted, Store, open_store, require_writable
 from patcher.compression import check_codec
-from patcher.diff import Changes, cast_changes
 from patcher.dtypes import SERVED_FLOAT_DTYPES
 from patcher.encode import encode
-from patcher.fingerprint_update import fingerprint_change
 from patcher.format import TensorInfo, compute_patch_id
 from patcher.patch import Patch, TensorDelta, TensorSpec
 from schemas.manifest import (
@@ -85,6 +79,8 @@ __all__ = ["LocalShard", "ShardedPublisher"]
 _MASK64: Final = (1 << 64) - 1
 _DEFAULT_SHARD_BYTES: Final = 64 << 20
 _DEFAULT_KEYFRAME_FILE_BYTES: Final = 1 << 30
+#: A rank's blocks of a keyframe go to one file of its cache, whatever their size.
+_ONE_FILE: Final = 1 << 62
 #: Phases a test may stop a rank at (``_hook``), in the order a step passes them.
 PHASES: Final = ("layout", "diffed", "exchanged", "encoded", "uploaded", "manifest", "committed", "advanced")
 
@@ -170,19 +166,16 @@ class _Snap:
             raise InternalError(f"{name}: taken twice") from None
         return read_served(value, source, served, False)
 
-    def changes(self, name: str, old: Bits, served: str, first: int) -> tuple[Changes, int]:
-        """The block's change from ``old`` (flat kept bits): its indices, old bits and
-        deltas, and its part of the fingerprint change with each index hashed as ``first``
-        + itself. A block read in place whose served bits are a cast of F32 is cast inside
-        the diff (patcher.diff.cast_changes), from its F32 bits."""
+    def source(self, name: str, served: str) -> tuple[Bits, str]:
+        """The block's bits to diff and their dtype: a block read in place whose served
+        bits are a cast of F32 as its F32 bits (cast inside the diff:
+        :meth:`~bulletin.base.PublishedBase.block_changes`), else its served bits."""
         read = self.reads.get(name)
         if read is None or read[1] != "F32" or read[2] == "F32":
-            new = np.ascontiguousarray(self.take(name)).reshape(-1)
-            return cast_changes(old, new, served, served, first=first)
+            return self.take(name), served
         del self.reads[name]
         value, source, _ = read
-        src = np.ascontiguousarray(read_served(value, source, source, False)).reshape(-1)
-        return cast_changes(old, src, source, served, first=first)
+        return read_served(value, source, source, False), source
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,7 +195,11 @@ class ShardedPublisher:
     makes its own gloo group, with ``timeout_s`` for every collective); without an
     initialised default group it is the one-rank case. Arguments as
     :class:`~bulletin.Publisher`'s; ``codec`` is ``"zstd"`` or ``"lz4"`` (the context
-    codec needs a tensor's whole base at its encoder: docs/SHARDED.md).
+    codec needs a tensor's whole base at its encoder: docs/SHARDED.md). ``cache_dir``:
+    where each rank keeps its blocks of the last committed version, in its own folder
+    ``rank-<r>`` (default: the Publisher's cache folder for the store and run);
+    ``scratch_dir``: where a rank writes its files of a keyframe before they are uploaded
+    (default: the system's temporary folder).
 
     After a step fails (on any rank), every later call on every rank raises
     :class:`~bulletin.errors.RankFailed` (or the step's own error on the rank that
@@ -224,6 +221,7 @@ class ShardedPublisher:
         queue_size: int = 2,
         timeout_s: float = 300.0,
         scratch_dir: str | os.PathLike[str] | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         if dtype not in SERVED_FLOAT_DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(SERVED_FLOAT_DTYPES)}, not {dtype!r}")
@@ -245,7 +243,10 @@ class ShardedPublisher:
         self._comm = Comm.create(timeout_s)
         self.rank, self.world = self._comm.rank, self._comm.world
         self.writer = str(self._comm.broadcast(secrets.token_hex(8)))  # one writer id for the job
-        self._base = PartBase()
+        # Each rank's own folder under the cache (ranks of a host share its cache root).
+        self._base = PublishedBase(self._run, dtype, cache_dir, subfolder=f"rank-{self.rank}")
+        #: The owners of every block when the base's blocks were made: the same on every rank.
+        self._owners: dict[str, list[tuple[int, Block]]] = {}
         self._layout: tuple[RankLayout, Layout] | None = None  # this rank's blocks, and the layout agreed
         self._resumed = False
         self._pending: ManifestV1 | None = None  # rank 0: a commit whose outcome is unknown
@@ -265,6 +266,11 @@ class ShardedPublisher:
     def version(self) -> int | None:
         """The last version committed (known on every rank), or resumed from."""
         return self._base.version
+
+    @property
+    def cache_dir(self) -> Path:
+        """This rank's folder holding its blocks of the last committed version."""
+        return self._base.cache_dir
 
     # -- public API --------------------------------------------------------------------
 
@@ -309,6 +315,7 @@ class ShardedPublisher:
             if self._worker is not None:
                 self._queue.put(None)
                 self._worker.join()
+            self._base.close()
             self._comm.destroy()
 
     def __enter__(self) -> Self:
@@ -411,7 +418,7 @@ class ShardedPublisher:
         self._at("layout", version)
         # A new placement (blocks moved between ranks) as much as new tensors: no rank's
         # kept blocks are the base of its new ones, so the version is a keyframe.
-        same_layout = base.version is not None and base.holds(layout)
+        same_layout = base.version is not None and self._holds(layout)
         keyframe = not same_layout or (version - 1) % self.keyframe_every == 0
         if keyframe:
             return self._keyframe_step(version, layout, snap)
@@ -455,17 +462,30 @@ class ShardedPublisher:
         owned = layout.owned(self.rank)
         if tip is None or dict(tip.manifest.specs) != layout.specs:
             self._base.forget(tip)  # nothing, or a new layout: the next version is a keyframe
-        elif not (self._base.digest == tip.digest and self._base.holds(layout)):
-            kept: dict[str, Bits] = {}
+            self._owners = {}
+        elif not (self._base.stored is not None and self._base.stored.digest == tip.digest and self._holds(layout)):
             parts: dict[str, int] = {}
             try:
-                kept = self._base.load(self._run, tip, owned)
-                parts = {name: part_fingerprint(block, kept[name]) for name, block in owned.items()}
+                self._base.open(tip, owned)  # the rank's cached blocks if they verify, else from the run
+                parts = dict(self._base.parts)
             except BaseException as exc:
                 error = exc
             sums = _sums(self._agree(error, "rebuilding its base from the run", parts))
-            self._base.hold(tip, kept, layout, sums)  # FingerprintMismatch on every rank alike
+            wrong = sorted(name for name in tip.manifest.specs if sums.get(name) != tip.manifest.fingerprints[name])
+            if wrong:  # every rank alike: the same sums
+                self._base.forget(tip)
+                self._owners = {}
+                raise FingerprintMismatch(
+                    f"version {tip.version} rebuilt from the run misses the fingerprints of {', '.join(wrong[:3])}"
+                )
+            self._owners = layout.owners
         self._resumed = True
+
+    def _holds(self, layout: Layout) -> bool:
+        """Whether every rank's base holds the blocks it owns in ``layout``: the same answer
+        on every rank (each compares the job's layouts, not only its own blocks), so that
+        a change of placement on any rank makes the next version a keyframe everywhere."""
+        return bool(self._owners) and dict(self._base.specs) == layout.specs and self._owners == layout.owners
 
     # -- a patch version -----------------------------------------------------------------
 
@@ -473,25 +493,16 @@ class ShardedPublisher:
         base = self._base
         owned = layout.owned(self.rank)
         outgoing: list[list[tuple[str, NDArray[np.int64], Bits, int]]] = [[] for _ in range(self.world)]
-        changes: dict[str, tuple[NDArray[np.int64], Bits]] = {}
+        changes: dict[str, BlockChanges] = {}
         error: BaseException | None = None
         try:
-            if not base.holds(layout):  # pragma: no cover - a keyframe step otherwise
+            if not self._holds(layout) or base.blocks != owned:  # pragma: no cover - a keyframe step otherwise
                 raise InternalError("the base does not hold this rank's blocks")
             for name in sorted(owned):
-                block = owned[name]
-                # A run of the tensor (a whole tensor, a Shard(0) block): the diff hashes
-                # each index at its place in the tensor as it goes. Else from global indices.
-                start = contiguous_start(block)
-                (idx, was, delta), fpd = snap.changes(
-                    name, base.kept[name].reshape(-1), layout.specs[name].dtype, start or 0
-                )
-                gidx = global_indices(block, idx)
-                now = was + delta  # deltas wrap, as the bits do: what the base takes once committed
-                if start is None:
-                    fpd = fingerprint_change(gidx, was, now)
-                changes[name] = (idx, now)
-                outgoing[layout.writers[name]].append((name, gidx, delta, fpd))
+                src, source = snap.source(name, layout.specs[name].dtype)
+                change = changes[name] = base.block_changes(name, src, source)
+                del src
+                outgoing[layout.writers[name]].append((name, change.indices, change.delta, change.part))
         except BaseException as exc:
             error = exc
         self._agree(error, "diffing its blocks")
@@ -542,7 +553,9 @@ class ShardedPublisher:
             codec=self.codec, shards=tuple(r for part in all_refs for r in part), changed_elements=changed
         )
         stored = self._commit(version, layout, fps, patch_ref, None, snap.metadata)
-        base.advance(stored, changes, None, layout)
+        parts = {name: (base.parts[name] + change.part) & _MASK64 for name, change in changes.items()}
+        base.advance(stored, changes=changes, parts=parts)
+        self._owners = layout.owners
         self._at("advanced", version)
         return self._result(stored)
 
@@ -575,45 +588,65 @@ class ShardedPublisher:
     def _keyframe_step(self, version: int, layout: Layout, snap: _Snap) -> PublishResult:
         """Each file of the keyframe has a writer rank (round-robin); a block its owner
         does not write travels to it (the one place a step moves bits, not changes:
-        docs/SHARDED.md), one block at a time, into the file's memory map."""
+        docs/SHARDED.md), one block at a time, into the file's memory map. Each rank
+        first writes its blocks to a new folder of its cache: the base, once committed."""
         owned = layout.owned(self.rank)
         error: BaseException | None = None
+        staged: StagedKeyframe | None = None
+        written: Checkpoint | None = None
         kept: dict[str, Bits] = {}
         parts: dict[str, int] = {}
         try:
-            for name in sorted(owned):
-                bits = snap.take(name)
-                private = np.array(bits, copy=True) if not bits.flags.owndata else bits
-                kept[name] = private.reshape(owned[name].sizes)
-                parts[name] = part_fingerprint(owned[name], kept[name])
-        except BaseException as exc:
-            error = exc
-        # Rank 0's attempt token names the keyframe's folder on every rank: a step that
-        # failed half-way and runs again with other bits never meets the files it left.
-        everyone = self._agree(error, "reading its blocks", (parts, secrets.token_hex(4)))
-        self._at("diffed", version)
-        fps = _sums([part for part, _ in everyone])
-        files = plan_checkpoint(layout.specs, self.keyframe_file_bytes)
-        folder = Path(tempfile.mkdtemp(prefix="bulletin-keyframe-", dir=self._scratch))
-        refs: list[tuple[int, ObjectRef]] = []
-        prefix = keyframe_prefix(version, self.writer, everyone[0][1])
-        try:
-            error = self._write_keyframe_files(files, layout, kept, folder)
-            self._at("exchanged", version)
-            self._at("encoded", version)
-            if error is None:
-                try:
-                    refs = self._upload_keyframe_files(files, folder, prefix)
-                except BaseException as exc:
-                    error = exc
-            all_refs = self._agree(error, "writing its keyframe files", refs)
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)
-        self._at("uploaded", version)
-        ordered = tuple(ref for _, ref in sorted((i, r) for part in all_refs for i, r in part))
-        keyframe_ref = KeyframeRef(prefix=prefix, files=ordered)
-        stored = self._commit(version, layout, fps, None, keyframe_ref, snap.metadata)
-        self._base.advance(stored, None, kept, layout)
+            try:
+                specs = {name: TensorSpec(name, layout.specs[name].dtype, b.sizes) for name, b in owned.items()}
+                staged = self._base.stage(specs, _ONE_FILE, blocks=owned, hashed=False)
+                for name in sorted(owned):
+                    bits = snap.take(name)
+                    parts[name] = part_fingerprint(owned[name], bits)
+                    staged.write(name, bits)
+                    del bits
+                staged.finish()
+                written = Checkpoint(staged.folder)  # read back through a map: page cache, not this process's memory
+                kept = {name: written.bits(name) for name in owned}
+            except BaseException as exc:
+                error = exc
+            # Rank 0's attempt token names the keyframe's folder on every rank: a step that
+            # failed half-way and runs again with other bits never meets the files it left.
+            everyone = self._agree(error, "reading its blocks", (parts, secrets.token_hex(4)))
+            self._at("diffed", version)
+            fps = _sums([part for part, _ in everyone])
+            files = plan_checkpoint(layout.specs, self.keyframe_file_bytes)
+            folder = Path(tempfile.mkdtemp(prefix="bulletin-keyframe-", dir=self._scratch))
+            refs: list[tuple[int, ObjectRef]] = []
+            prefix = keyframe_prefix(version, self.writer, everyone[0][1])
+            try:
+                error = self._write_keyframe_files(files, layout, kept, folder)
+                self._at("exchanged", version)
+                self._at("encoded", version)
+                if error is None:
+                    try:
+                        refs = self._upload_keyframe_files(files, folder, prefix)
+                    except BaseException as exc:
+                        error = exc
+                all_refs = self._agree(error, "writing its keyframe files", refs)
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)
+            self._at("uploaded", version)
+            ordered = tuple(ref for _, ref in sorted((i, r) for part in all_refs for i, r in part))
+            keyframe_ref = KeyframeRef(prefix=prefix, files=ordered)
+            stored = self._commit(version, layout, fps, None, keyframe_ref, snap.metadata)
+        except BaseException:
+            kept = {}
+            if written is not None:
+                written.close()
+            if staged is not None:
+                staged.discard()
+            raise
+        kept = {}
+        if written is not None:
+            written.close()
+        self._base.advance(stored, staged=staged, parts=parts)
+        self._owners = layout.owners
         self._at("advanced", version)
         return self._result(stored)
 

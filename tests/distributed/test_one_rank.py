@@ -14,17 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bulletin import Publisher, Subscriber
+from bulletin.blocks import Block, block_runs, contiguous_start, global_indices, local_indices, part_fingerprint
 from bulletin.distributed import LocalShard, ShardedPublisher
-from bulletin.distributed.parts import (
-    Block,
-    RankLayout,
-    block_runs,
-    contiguous_start,
-    global_indices,
-    local_indices,
-    part_fingerprint,
-    plan_layout,
-)
+from bulletin.distributed.parts import RankLayout, plan_layout
 from bulletin.distributed.shards import renumber
 from bulletin.errors import IncompatibleLayout, InvalidInput, StorageUnavailable
 from bulletin.run import Run

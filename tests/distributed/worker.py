@@ -5,7 +5,9 @@ world size by tests/distributed/test_sharded.py).
 
 - ``fsdp``: a tiny transformers Llama, FSDP2 ``fully_shard`` over gloo, AdamW on FP32
   masters, published as BF16 (sync and async steps, a keyframe mid-run), then a new
-  publisher (a restarted job) resumes and publishes two more steps. Only rank 0's loss
+  publisher (a restarted job) resumes and publishes two more steps: every rank from its
+  cached blocks, except the last rank, whose cache is damaged first and which must
+  rebuild its blocks from the run (:func:`_damage`). Only rank 0's loss
   counts (the others' is multiplied by 0 and rank 0's by the world size, a power of two):
   FSDP's gradient reduction then adds exact zeros and divides by powers of two, so the
   weights are bit-identical at every world size and the runs can be compared.
@@ -18,7 +20,10 @@ world size by tests/distributed/test_sharded.py).
 
 from __future__ import annotations
 
+import json
+import logging
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -77,24 +82,55 @@ def fsdp(rank: int, world: int, store: str) -> None:
         opt.step()
         opt.zero_grad()
 
+    damaged = rank == world - 1
     for step in range(STEPS + 2):
         if step == STEPS:  # the job restarts: a new publisher resumes from the run
             for f in pending:
                 f.result()
             pub.close()
+            if damaged:
+                _damage(pub.cache_dir)
             pub = ShardedPublisher(store, "fsdp", **FSDP_OPTIONS)
+            said = _listen("bulletin.base")
         train_step()
         state = model.state_dict()
         if step % 2:
             pending.append(pub.publish_async(state))
         else:
             pub.publish(state)
+        if step == STEPS:
+            rebuilt = any("now holds version" in m for m in said)
+            assert rebuilt == damaged, f"rank {rank}: rebuilt {rebuilt}, damaged {damaged}: {said}"
+            assert damaged == any("does not verify" in m for m in said), said
         if plain is not None:
             plain.publish({k: v.full_tensor() for k, v in state.items()})
     pub.close()
     if plain is not None:
         plain.close()
     del single
+
+
+def _damage(cache: Path) -> None:
+    """Flip the last byte of the folder the cache's state names (a bit of its last block)."""
+    folder = cache / json.loads((cache / "state.json").read_bytes())["folder"]
+    (data,) = folder.glob("*.safetensors")
+    raw = bytearray(data.read_bytes())
+    raw[-1] ^= 0x01
+    data.write_bytes(bytes(raw))
+
+
+def _listen(logger: str) -> list[str]:
+    """The messages ``logger`` logs from now on, at every level."""
+    said: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(record.getMessage())
+
+    log = logging.getLogger(logger)
+    log.setLevel(logging.DEBUG)
+    log.addHandler(Keep())
+    return said
 
 
 def _full(name: str, shape: tuple[int, ...], version: int) -> torch.Tensor:

@@ -1,0 +1,149 @@
+"""A block of a tensor, and its index arithmetic: what one process holds of a tensor.
+
+A block is the tensor's global shape, the block's offset along every dimension, and the
+block's own shape: a DTensor's ``Shard(d)`` is one, Megatron's column and row splits too,
+and a whole tensor is the block at offset 0. Indices inside a block are flat (C order)
+over the block; the tensor's (global) flat indices are what patches and fingerprints
+use. Everything here is pure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+
+import numpy as np
+from numpy.typing import NDArray
+
+from bulletin.errors import IncompatibleLayout
+from patcher.fingerprint import fingerprint_rows
+
+__all__ = [
+    "Block",
+    "block_runs",
+    "block_slices",
+    "contiguous_start",
+    "global_indices",
+    "local_indices",
+    "part_fingerprint",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    """A block of a tensor of ``shape`` (global): ``offsets`` and ``sizes`` per dimension."""
+
+    shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not (len(self.shape) == len(self.offsets) == len(self.sizes)):
+            raise IncompatibleLayout(f"a block of shape {list(self.shape)} needs one offset and size per dimension")
+        for dim, (n, o, s) in enumerate(zip(self.shape, self.offsets, self.sizes, strict=True)):
+            if o < 0 or s < 0 or o + s > n:
+                raise IncompatibleLayout(f"block [{o}, {o + s}) leaves dimension {dim} of size {n}")
+
+    @classmethod
+    def whole(cls, shape: tuple[int, ...]) -> Block:
+        return cls(shape, (0,) * len(shape), shape)
+
+    @property
+    def numel(self) -> int:
+        return prod(self.sizes)
+
+    @property
+    def is_whole(self) -> bool:
+        return self.sizes == self.shape
+
+    @property
+    def cut_dims(self) -> list[int]:
+        """The dimensions the block does not span whole, outermost first."""
+        return [d for d in range(len(self.shape)) if self.sizes[d] != self.shape[d]]
+
+    def overlaps(self, other: Block) -> bool:
+        return all(
+            a < b + m and b < a + n
+            for a, n, b, m in zip(self.offsets, self.sizes, other.offsets, other.sizes, strict=True)
+        ) and bool(self.numel and other.numel)
+
+
+def contiguous_start(block: Block) -> int | None:
+    """The whole tensor's flat index of the block's first element when the block is one
+    contiguous run of the tensor's elements (a whole tensor, FSDP2's ``Shard(0)``), else None."""
+    cut = block.cut_dims
+    if cut and any(block.sizes[d] != 1 for d in range(cut[-1])):
+        return None
+    return sum(o * prod(block.shape[d + 1 :]) for d, o in enumerate(block.offsets))
+
+
+def global_indices(block: Block, local: NDArray[np.int64]) -> NDArray[np.int64]:
+    """Flat indices in the whole tensor of the block's flat (C order) ``local`` indices."""
+    if block.is_whole or not block.shape:
+        return local
+    start = contiguous_start(block)
+    if start is not None:  # a run of the tensor: one addition, no coordinates
+        return local + start
+    coords = np.unravel_index(local, block.sizes)
+    shifted = tuple(c + o for c, o in zip(coords, block.offsets, strict=True))
+    return np.ravel_multi_index(shifted, block.shape).astype(np.int64, copy=False)
+
+
+def local_indices(block: Block, flat: NDArray[np.int64]) -> tuple[NDArray[np.bool_], NDArray[np.int64]]:
+    """Which of the whole tensor's flat indices ``flat`` fall in the block, and their flat
+    indices within it (for those that do)."""
+    if block.is_whole or not block.shape:
+        return np.ones(flat.size, dtype=np.bool_), flat
+    coords = np.unravel_index(flat, block.shape)
+    inside = np.ones(flat.size, dtype=np.bool_)
+    for c, o, s in zip(coords, block.offsets, block.sizes, strict=True):
+        inside &= (c >= o) & (c < o + s)
+    moved = tuple((c[inside] - o) for c, o in zip(coords, block.offsets, strict=True))
+    return inside, np.ravel_multi_index(moved, block.sizes).astype(np.int64, copy=False)
+
+
+def block_runs(block: Block) -> tuple[NDArray[np.int64], int]:
+    """The block as contiguous runs of the whole tensor's flat elements, in the block's C
+    order: each run's first flat index, and the runs' one length (every dimension inside
+    the innermost one the block cuts is whole, so a run spans it and all below)."""
+    cut_dims = block.cut_dims
+    if not cut_dims or block.numel == 0:
+        return np.zeros(1 if block.numel else 0, dtype=np.int64), block.numel
+    cut = cut_dims[-1]
+    strides = [prod(block.shape[d + 1 :]) for d in range(len(block.shape))]
+    starts = np.full((), block.offsets[cut] * strides[cut], dtype=np.int64)
+    for d in range(cut):  # every combination of the outer coordinates, in C order
+        coords = (np.arange(block.sizes[d], dtype=np.int64) + block.offsets[d]) * strides[d]
+        starts = np.add.outer(starts, coords)
+    return starts.reshape(-1), block.sizes[cut] * strides[cut]
+
+
+def part_fingerprint(block: Block, bits: NDArray[np.unsignedinteger]) -> int:
+    """The part of the whole tensor's fingerprint that the block's ``bits`` contribute
+    (fingerprints are sums over elements of a hash of the global index and the bits)."""
+    if block.numel == 0:
+        return 0
+    flat = np.ascontiguousarray(bits).reshape(-1)
+    cut_dims = block.cut_dims
+    if not cut_dims:
+        return fingerprint_rows(flat, 0, flat.size)
+    cut = cut_dims[-1]  # the innermost dimension cut: below it a block row is one contiguous run
+    strides = [prod(block.shape[d + 1 :]) for d in range(len(block.shape))]
+    start = block.offsets[cut] * strides[cut]
+    run = block.sizes[cut] * strides[cut]
+    if cut == 0:
+        return fingerprint_rows(flat, start, run)
+    outer = block.sizes[: cut - 1]
+    slabs = flat.reshape(prod(outer), block.sizes[cut - 1], run)
+    total = 0
+    for k in range(slabs.shape[0]):
+        coord = np.unravel_index(k, outer) if outer else ()
+        first = start + sum((int(c) + o) * s for c, o, s in zip(coord, block.offsets, strides, strict=False))
+        first += block.offsets[cut - 1] * strides[cut - 1]
+        total += fingerprint_rows(slabs[k], first, strides[cut - 1])
+    return total & 0xFFFFFFFFFFFFFFFF
+
+
+def block_slices(block: Block) -> tuple[slice, ...]:
+    """The block's place in the whole tensor, as slices (one per dimension)."""
+    return tuple(slice(o, o + s) for o, s in zip(block.offsets, block.sizes, strict=True))
