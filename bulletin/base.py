@@ -77,7 +77,7 @@ from typing import Any, Final
 import numpy as np
 from numpy.typing import NDArray
 
-from bulletin.blocks import Block, block_slices, contiguous_start, global_indices, local_indices, part_fingerprint
+from bulletin.blocks import Block, BlockChanges, block_diff, block_slices, local_indices, part_fingerprint
 from bulletin.checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint, encode_safetensors_header
 from bulletin.device_kept import DeviceKept
 from bulletin.errors import BulletinError, FingerprintMismatch, FormatError, InternalError
@@ -88,16 +88,13 @@ from bulletin.shared_files import Privatizer, make_private, remove_temps, shared
 from bulletin.sync import plan
 from bulletin.target import Held
 from patcher.apply import apply, put_bits
-from patcher.context_diff import diff_ranked
 from patcher.decode import decode
-from patcher.diff import cast_changes, diff
 from patcher.fingerprint import fingerprint, format_fingerprint, parse_fingerprint
-from patcher.fingerprint_update import fingerprint_change
 from patcher.fold import fold
 from patcher.patch import Patch, TensorDelta, TensorSpec
 from schemas.manifest import FileRef, ObjectRef, manifest_files
 
-__all__ = ["CACHE_ENV", "BlockChanges", "PublishedBase", "default_cache_root"]
+__all__ = ["CACHE_ENV", "PublishedBase", "default_cache_root"]
 
 #: Overrides where publishers keep their bases (else ``$XDG_CACHE_HOME/bulletin``, else
 #: ``~/.cache/bulletin``; each under ``publisher/<store hash>/<run>``).
@@ -160,18 +157,6 @@ class _Taken:
     changes: Mapping[str, TensorDelta]
     bits: Mapping[str, Bits]
     fingerprints: dict[str, int] = field(default_factory=dict)
-
-
-@dataclass(frozen=True, slots=True)
-class BlockChanges:
-    """The change of a block: its flat indices in the block (``local``) and in the tensor
-    (``indices``), the deltas, the bits there now, and its part of the fingerprint change."""
-
-    local: NDArray[np.int64]
-    indices: NDArray[np.int64]
-    delta: NDArray[np.unsignedinteger]
-    now: NDArray[np.unsignedinteger]
-    part: int
 
 
 def _undone(delta: TensorDelta) -> TensorDelta:
@@ -386,35 +371,16 @@ class PublishedBase:
         """Every tensor's committed bits, read-only views (the context codec's base)."""
         return {name: self.bits(name) for name in self.specs}
 
-    def diff(self, name: str, bits: NDArray[Any], *, ranked: bool = False) -> TensorDelta:
-        """The change from the committed bits of ``name`` to ``bits`` (same spec), with
-        its target fingerprint in O(changed): the codec's chunked diff of one tensor, or
-        (``ranked``, for the context codec) the diff that ranks its changes as it goes."""
+    def diff(self, name: str, src: NDArray[Any], source: str | None = None, *, ranked: bool = False) -> BlockChanges:
+        """The change of the block held of ``name`` (the whole tensor, for a Publisher)
+        from its committed bits to ``src``, the block's elements' bits in dtype
+        ``source`` (default: the served dtype; an F32 source is cast inside the diff),
+        with its part of the fingerprint change in O(changed): :func:`~bulletin.blocks.block_diff`
+        (``ranked`` as there)."""
         spec = self.specs[name]
-        differ = diff_ranked if ranked else diff
-        patch = differ(
-            {name: spec}, {name: self.bits(name)}, {name: bits}, base_fingerprints={name: self.fingerprints[name]}
+        return block_diff(
+            spec, self.blocks[name], self.bits(name), src, source or spec.dtype, self.parts[name], ranked=ranked
         )
-        return patch.tensors[name]
-
-    def block_changes(self, name: str, src: NDArray[Any], source: str) -> BlockChanges:
-        """The change of the block held of ``name`` from its committed bits to ``src``
-        (the block's elements in dtype ``source``, cast to the served dtype inside the
-        compiled diff: :func:`~patcher.diff.cast_changes`), and its part of the
-        fingerprint change."""
-        block = self.blocks[name]
-        start = contiguous_start(block)
-        old = self.bits(name).reshape(-1)
-        served = self.specs[name].dtype
-        src = np.ascontiguousarray(src).reshape(-1)
-        # A run of the tensor (a whole tensor, a Shard(0) block): the diff hashes each
-        # index at its place in the tensor as it goes. Else from the global indices.
-        (local, was, delta), part = cast_changes(old, src, source, served, first=start or 0)
-        indices = global_indices(block, local)
-        now = was + delta  # deltas wrap, as the bits do: what the base takes once committed
-        if start is None:
-            part = fingerprint_change(indices, was, now)
-        return BlockChanges(local, indices, delta, now, part)
 
     def open(self, tip: StoredManifest | None, owned: Mapping[str, Block] | None = None) -> None:
         """Hold ``tip`` (the run's newest version; None for an empty run), whole or the
@@ -683,7 +649,7 @@ class PublishedBase:
         """Make ``stored``, just committed, the base: the folder ``staged`` was written to
         (a keyframe version), or its transition from the version held written into the
         maps, changed elements only: ``patch`` (whole tensors) or each block's
-        ``changes`` (:meth:`block_changes`). ``parts``: each block's part of the new
+        ``changes`` (:meth:`diff`). ``parts``: each block's part of the new
         fingerprints (the fingerprints themselves when whole). The state names it last;
         its snapshot (and any older one) is let go."""
         with self._mutex:
@@ -783,11 +749,10 @@ class PublishedBase:
                 below, fp = self.bits(name), self.fingerprints[name]
             since.reverse()
             moved = [delta for delta in since if delta.changed]
+            whole = Block.whole(spec.shape)
             if not moved:
-                differ = diff_ranked if ranked else diff
-                found = differ({name: spec}, {name: below}, {name: bits}, base_fingerprints={name: fp})
-                return found.tensors[name]
-            plain = diff({name: spec}, {name: below}, {name: bits}, base_fingerprints={name: fp})
+                return block_diff(spec, whole, below, bits, spec.dtype, fp, ranked=ranked).delta
+            plain = Patch({name: block_diff(spec, whole, below, bits, spec.dtype, fp).delta})
             del below  # a view of the maps: let go before a commit may switch them
         undo = [Patch({name: _undone(delta)}) for delta in reversed(moved)]
         return fold([*undo, plain]).tensors[name]

@@ -4,22 +4,31 @@ A block is the tensor's global shape, the block's offset along every dimension, 
 block's own shape: a DTensor's ``Shard(d)`` is one, Megatron's column and row splits too,
 and a whole tensor is the block at offset 0. Indices inside a block are flat (C order)
 over the block; the tensor's (global) flat indices are what patches and fingerprints
-use. Everything here is pure.
+use. :func:`block_diff` is the one diff of a publisher's base (whole tensors or
+blocks), in those coordinates. Everything here is pure.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from math import prod
+from typing import Any, Final
 
 import numpy as np
 from numpy.typing import NDArray
 
-from bulletin.errors import IncompatibleLayout
+from bulletin.errors import IncompatibleLayout, InternalError
+from patcher.cast import cast_bits
+from patcher.context_diff import ranked_delta
+from patcher.diff import cast_changes
 from patcher.fingerprint import fingerprint_rows
+from patcher.fingerprint_update import fingerprint_change
+from patcher.patch import TensorDelta, TensorSpec
 
 __all__ = [
     "Block",
+    "BlockChanges",
+    "block_diff",
     "block_runs",
     "block_slices",
     "contiguous_start",
@@ -147,3 +156,58 @@ def part_fingerprint(block: Block, bits: NDArray[np.unsignedinteger]) -> int:
 def block_slices(block: Block) -> tuple[slice, ...]:
     """The block's place in the whole tensor, as slices (one per dimension)."""
     return tuple(slice(o, o + s) for o, s in zip(block.offsets, block.sizes, strict=True))
+
+
+_MASK64: Final = (1 << 64) - 1
+
+
+@dataclass(frozen=True, slots=True)
+class BlockChanges:
+    """The change of a block: ``delta`` in the tensor's coordinates (its global flat
+    indices; as fingerprints, the block's parts before and after, which for a whole
+    block are the tensor's own: ``delta`` is then the patch's entry), the same indices
+    in the block (``local``), and the bits there now."""
+
+    delta: TensorDelta
+    local: NDArray[np.int64]
+    now: NDArray[np.unsignedinteger]
+
+    @property
+    def part(self) -> int:
+        """The block's part of the tensor's fingerprint change."""
+        return (self.delta.target_fingerprint - self.delta.base_fingerprint) & _MASK64
+
+
+def block_diff(
+    spec: TensorSpec,
+    block: Block,
+    old: NDArray[np.unsignedinteger],
+    src: NDArray[Any],
+    source: str,
+    base_part: int,
+    *,
+    ranked: bool = False,
+) -> BlockChanges:
+    """The change of ``block`` of tensor ``spec`` from ``old`` (its served bits, C order,
+    whose part of the fingerprint is ``base_part``) to ``src`` (its elements' bits in
+    dtype ``source``): cast to the served dtype inside the compiled diff
+    (:func:`~patcher.diff.cast_changes`: no full-size copy), or, ``ranked`` (a whole
+    tensor, for the context codec), after the cast, by the diff that ranks its changes
+    as it goes (:func:`~patcher.context_diff.ranked_delta`)."""
+    old = old.reshape(-1)
+    src = np.ascontiguousarray(src).reshape(-1)
+    if ranked:
+        if not block.is_whole:
+            raise InternalError(f"{spec.name}: a ranked diff of a block that is not the whole tensor")
+        new = src if source == spec.dtype else cast_bits(src, source, spec.dtype)
+        entry = ranked_delta(spec, old, new, base_part)
+        return BlockChanges(entry, entry.indices, old[entry.indices] + entry.delta)  # deltas wrap, as bits do
+    start = contiguous_start(block)
+    # A run of the tensor (a whole tensor, a Shard(0) block): the diff hashes each index
+    # at its place in the tensor as it goes. Else from the global indices.
+    (local, was, delta), part = cast_changes(old, src, source, spec.dtype, first=start or 0)
+    indices = global_indices(block, local)
+    now = was + delta  # deltas wrap, as the bits do: what the base takes once committed
+    if start is None:
+        part = fingerprint_change(indices, was, now)
+    return BlockChanges(TensorDelta(spec, indices, delta, base_part, (base_part + part) & _MASK64), local, now)

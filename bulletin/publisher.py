@@ -367,12 +367,15 @@ class Publisher:
             for name, spec in ckpt.specs.items():
                 served = self.dtype if cast and spec.dtype in FLOAT_DTYPES else spec.dtype
                 specs[name] = TensorSpec(name, served, spec.shape)
+                if spec.dtype in (served, "F32"):
+                    # A view of the map: zero copies (an F32 tensor cast inside the diff).
+                    snap.bits.reads[name] = (ckpt.bits(name), spec.dtype, served)
+                    continue
 
                 def read(name: str = name, dtype: str = spec.dtype) -> Any:
-                    bits = ckpt.bits(name)  # a view of the map: zero copies unless it is cast
-                    return cast_served(bits, dtype, self.dtype)[1] if cast else bits
+                    return cast_served(ckpt.bits(name), dtype, self.dtype)[1]  # torch's rounding
 
-                snap.sources[name] = read
+                snap.bits.later[name] = read
             self._base.prepared(snap.version, specs, set())
             return self._publish(snap, checked, given)
 
@@ -661,14 +664,20 @@ class Publisher:
                     raise InternalError(f"{name}: diffed when taken against bits that are not the base")
                 deltas[name], fps[name] = delta, delta.target_fingerprint
                 continue
-            bits = snap.take(name)
+            ranked = self.codec in (AUTO_CODEC, CONTEXT_CODEC)
+            if staged is None:  # a patch alone: an F32 source is cast inside the diff
+                src, source = snap.bits.source(name, snap.specs[name].dtype)
+                delta = base.diff(name, src, source, ranked=ranked).delta
+                deltas[name], fps[name] = delta, delta.target_fingerprint
+                del src
+                continue
+            bits = snap.bits.take(name)
             if same_layout:
-                delta = base.diff(name, bits, ranked=self.codec in (AUTO_CODEC, CONTEXT_CODEC))
+                delta = base.diff(name, bits, ranked=ranked).delta
                 deltas[name], fps[name] = delta, delta.target_fingerprint
             else:
                 fps[name] = fingerprint(bits)
-            if staged is not None:
-                staged.write(name, bits)
+            staged.write(name, bits)
             del bits
         return (Patch(deltas) if same_layout else None), fps
 

@@ -42,7 +42,7 @@ from patcher.patch import TensorDelta, TensorSpec
 if TYPE_CHECKING:
     from bulletin.base import PublishedBase
 
-__all__ = ["ServedBits", "Snapshot", "cast_served", "layout", "read_served", "snapshot", "take_snapshot"]
+__all__ = ["ServedBits", "Snapshot", "TensorBits", "cast_served", "layout", "read_served", "snapshot", "take_snapshot"]
 
 Bits = NDArray[np.unsignedinteger]
 #: A tensor's served bits, produced when called (a view, a cast, or the copy taken).
@@ -50,24 +50,54 @@ Source = Callable[[], Bits]
 
 
 @dataclass(slots=True)
+class TensorBits:
+    """Each tensor's bits for a publish, taken once (the holder then lets go of them):
+    ``copies`` taken with the snapshot, ``reads`` read in place when taken (the tensor,
+    its dtype and its served dtype: plain tuples rather than closures, since each object
+    a publish holds is one more for the interpreter's collector to trace), ``later``
+    made when taken (a GPU tensor's host copy, a checkpoint's tensor)."""
+
+    copies: dict[str, Bits] = field(default_factory=dict)
+    reads: dict[str, tuple[Any, str, str]] = field(default_factory=dict)
+    later: dict[str, Source] = field(default_factory=dict)
+
+    def take(self, name: str) -> Bits:
+        """The served bits of ``name``: a view, its cast, or the copy taken."""
+        bits = self.copies.pop(name, None)
+        if bits is not None:
+            return bits
+        read = self.reads.pop(name, None)
+        if read is not None:
+            return read_served(*read, False)
+        try:
+            return self.later.pop(name)()
+        except KeyError:
+            raise InternalError(f"{name}: taken twice, or diffed when the snapshot was taken") from None
+
+    def source(self, name: str, served: str) -> tuple[Bits, str]:
+        """The bits of ``name`` (served as ``served``) to diff, and their dtype: a tensor
+        read in place whose served bits are a cast of F32 as its F32 bits, for the diff
+        to cast (:func:`~bulletin.blocks.block_diff`: no cast copy), else its served bits."""
+        read = self.reads.get(name)
+        if read is None or read[1] != "F32" or read[2] == "F32":
+            return self.take(name), served
+        del self.reads[name]
+        value, source, _ = read
+        return read_served(value, source, source, False), source
+
+
+@dataclass(slots=True)
 class Snapshot:
-    """One version as the publisher needs it: every tensor's served spec, and either a
-    source of its host bits (``sources``, taken once each by :meth:`take`) or its change
-    from the snapshot before, found when the snapshot was taken (``changes``: on its
-    device, or for ``publish_async`` on the host)."""
+    """One version as the publisher needs it: every tensor's served spec, and either its
+    host bits to take (``bits``) or its change from the snapshot before, found when the
+    snapshot was taken (``changes``: on its device, or for ``publish_async`` on the
+    host)."""
 
     version: int
     specs: dict[str, TensorSpec]
     aliases: dict[str, str]  # dropped name -> served name
-    sources: dict[str, Source] = field(default_factory=dict)
+    bits: TensorBits = field(default_factory=TensorBits)
     changes: dict[str, TensorDelta] = field(default_factory=dict)
-
-    def take(self, name: str) -> Bits:
-        """The served bits of host tensor ``name``, once: the snapshot lets go of them."""
-        try:
-            return self.sources.pop(name)()
-        except KeyError:
-            raise InternalError(f"{name}: taken twice, or diffed when the snapshot was taken") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,13 +218,6 @@ def read_served(value: Any, source: str, served: str, copy: bool) -> Bits:
     return _numpy_bits(value, source, served, copy)
 
 
-def _host_source(value: Any, source: str, served: str, copy: bool) -> Source:
-    if not copy:
-        return lambda: read_served(value, source, served, False)
-    bits = read_served(value, source, served, True)  # now: the caller may change its tensor once the snapshot is taken
-    return lambda: bits
-
-
 def cast_served(bits: Bits, dtype: str, served: str) -> tuple[str, Bits]:
     """One tensor's bits (of safetensors dtype ``dtype``) as :func:`snapshot` serves them:
     a floating tensor cast to ``served`` exactly as a state dict's would be (F32 by
@@ -259,7 +282,7 @@ def take_snapshot(
             elif copy:
                 copies[name] = base.device_keep(name, value)
             else:
-                snap.sources[name] = lambda name=name, value=value: base.device_keep(name, value)  # type: ignore[misc]
+                snap.bits.later[name] = lambda name=name, value=value: base.device_keep(name, value)  # type: ignore[misc]
             continue
         source = found.source_dtypes[name]
         if copy and not full:
@@ -270,8 +293,7 @@ def take_snapshot(
         if copy:
             copies[name] = read_served(value, source, spec.dtype, True)
         else:
-            snap.sources[name] = _host_source(value, source, spec.dtype, False)
-    for name, bits in copies.items():
-        snap.sources[name] = lambda bits=bits: bits  # type: ignore[misc]
+            snap.bits.reads[name] = (value, source, spec.dtype)
+    snap.bits.copies.update(copies)
     base.prepared(version, found.specs, on_device, changes=snap.changes, bits=copies)
     return snap

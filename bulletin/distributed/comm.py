@@ -15,6 +15,7 @@ no single rank holds whole (:meth:`Comm.send` / :meth:`Comm.recv`, one block at 
 from __future__ import annotations
 
 import pickle
+import warnings
 from datetime import timedelta
 from typing import Any
 
@@ -119,8 +120,12 @@ class Comm:
         import torch.distributed as dist
 
         data = np.ascontiguousarray(bits).reshape(-1).view(np.uint8)
+        with warnings.catch_warnings():
+            # A block read from a read-only map: a send only reads the tensor torch warns of.
+            warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
+            tensor = torch.from_numpy(data)
         try:
-            dist.send(torch.from_numpy(data), dst=dst, group=self.group)
+            dist.send(tensor, dst=dst, group=self.group)
         except RuntimeError as exc:
             raise self._failed("sending a keyframe block", exc) from exc
 

@@ -35,8 +35,8 @@ from typing import Any, Final, Self
 import numpy as np
 from numpy.typing import NDArray
 
-from bulletin.base import BlockChanges, PublishedBase
-from bulletin.blocks import Block, block_runs, part_fingerprint
+from bulletin.base import PublishedBase
+from bulletin.blocks import Block, BlockChanges, block_runs, part_fingerprint
 from bulletin.checkpoint import INDEX_NAME, Checkpoint, encode_safetensors_header, hf_index, plan_checkpoint
 from bulletin.distributed.comm import Comm
 from bulletin.distributed.parts import Layout, RankLayout, plan_layout
@@ -56,8 +56,8 @@ from bulletin.keyframe_stage import StagedKeyframe
 from bulletin.keyspace import keyframe_prefix, patch_shard_key
 from bulletin.publisher import PublishResult, build_manifest, publish_result
 from bulletin.run import Run, StoredManifest, sha256_hex
+from bulletin.snapshot import TensorBits, read_served
 from bulletin.snapshot import layout as local_layout
-from bulletin.snapshot import read_served
 from bulletin.storage import Conflicted, Store, open_store, require_writable
 from patcher.compression import check_codec
 from patcher.dtypes import SERVED_FLOAT_DTYPES
@@ -149,33 +149,9 @@ class _Snap:
     layout: RankLayout | None
     error: BaseException | None = None
     metadata: dict[str, str] = field(default_factory=dict)
-    #: Blocks copied when the snapshot was taken (``publish_async``).
-    copies: dict[str, Bits] = field(default_factory=dict)
-    #: Blocks read in place when the step needs them: (tensor, its dtype, served dtype).
-    #: Plain tuples, not closures: a step holds one per tensor, and each object it holds
-    #: is one more for the interpreter's collector to trace.
-    reads: dict[str, tuple[Any, str, str]] = field(default_factory=dict)
-
-    def take(self, name: str) -> Bits:
-        bits = self.copies.pop(name, None)
-        if bits is not None:
-            return bits
-        try:
-            value, source, served = self.reads.pop(name)
-        except KeyError:  # pragma: no cover - each owned block is taken once
-            raise InternalError(f"{name}: taken twice") from None
-        return read_served(value, source, served, False)
-
-    def source(self, name: str, served: str) -> tuple[Bits, str]:
-        """The block's bits to diff and their dtype: a block read in place whose served
-        bits are a cast of F32 as its F32 bits (cast inside the diff:
-        :meth:`~bulletin.base.PublishedBase.block_changes`), else its served bits."""
-        read = self.reads.get(name)
-        if read is None or read[1] != "F32" or read[2] == "F32":
-            return self.take(name), served
-        del self.reads[name]
-        value, source, _ = read
-        return read_served(value, source, source, False), source
+    #: The blocks' bits: copied when the snapshot was taken (``publish_async``), else
+    #: read in place when the step needs them.
+    bits: TensorBits = field(default_factory=TensorBits)
 
 
 @dataclass(frozen=True, slots=True)
@@ -364,9 +340,9 @@ class ShardedPublisher:
             for name, value in found.values.items():
                 source, served = found.source_dtypes[name], found.specs[name].dtype
                 if copy:  # now: the caller may change its tensors once this returns
-                    snap.copies[name] = read_served(value, source, served, True)
+                    snap.bits.copies[name] = read_served(value, source, served, True)
                 else:
-                    snap.reads[name] = (value, source, served)
+                    snap.bits.reads[name] = (value, source, served)
             return snap
         except BaseException as exc:
             return _Snap(None, error=exc)
@@ -499,10 +475,10 @@ class ShardedPublisher:
             if not self._holds(layout) or base.blocks != owned:  # pragma: no cover - a keyframe step otherwise
                 raise InternalError("the base does not hold this rank's blocks")
             for name in sorted(owned):
-                src, source = snap.source(name, layout.specs[name].dtype)
-                change = changes[name] = base.block_changes(name, src, source)
+                src, source = snap.bits.source(name, layout.specs[name].dtype)
+                change = changes[name] = base.diff(name, src, source)
                 del src
-                outgoing[layout.writers[name]].append((name, change.indices, change.delta, change.part))
+                outgoing[layout.writers[name]].append((name, change.delta.indices, change.delta.delta, change.part))
         except BaseException as exc:
             error = exc
         self._agree(error, "diffing its blocks")
@@ -553,7 +529,7 @@ class ShardedPublisher:
             codec=self.codec, shards=tuple(r for part in all_refs for r in part), changed_elements=changed
         )
         stored = self._commit(version, layout, fps, patch_ref, None, snap.metadata)
-        parts = {name: (base.parts[name] + change.part) & _MASK64 for name, change in changes.items()}
+        parts = {name: change.delta.target_fingerprint for name, change in changes.items()}
         base.advance(stored, changes=changes, parts=parts)
         self._owners = layout.owners
         self._at("advanced", version)
@@ -601,7 +577,7 @@ class ShardedPublisher:
                 specs = {name: TensorSpec(name, layout.specs[name].dtype, b.sizes) for name, b in owned.items()}
                 staged = self._base.stage(specs, _ONE_FILE, blocks=owned, hashed=False)
                 for name in sorted(owned):
-                    bits = snap.take(name)
+                    bits = snap.bits.take(name)
                     parts[name] = part_fingerprint(owned[name], bits)
                     staged.write(name, bits)
                     del bits

@@ -14,13 +14,23 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bulletin import Publisher, Subscriber
-from bulletin.blocks import Block, block_runs, contiguous_start, global_indices, local_indices, part_fingerprint
+from bulletin.blocks import (
+    Block,
+    block_diff,
+    block_runs,
+    contiguous_start,
+    global_indices,
+    local_indices,
+    part_fingerprint,
+)
 from bulletin.distributed import LocalShard, ShardedPublisher
 from bulletin.distributed.parts import RankLayout, plan_layout
 from bulletin.distributed.shards import renumber
 from bulletin.errors import IncompatibleLayout, InvalidInput, StorageUnavailable
 from bulletin.run import Run
 from bulletin.storage import open_store
+from patcher.cast import cast_bits
+from patcher.context_diff import SMALLEST, RankedDelta, diff_ranked
 from patcher.decode import decode
 from patcher.diff import diff
 from patcher.encode import encode
@@ -96,6 +106,54 @@ def test_global_indices_of_any_block_are_its_elements(shape: tuple[int, ...]) ->
         elif block.numel:
             assert len(starts) > 1, block
     assert runs >= 10
+
+
+@pytest.mark.parametrize("shape", [(300,), (40, 33), (6, 7, 9), (600, 512)])
+def test_a_blocks_diff_is_its_part_of_the_tensors_diff(shape: tuple[int, ...]) -> None:
+    # The one diff of both publishers: each block's changes, cast from F32 inside the
+    # diff or diffed as served bits, are the tensor's own diff at its global indices,
+    # and the blocks' fingerprint parts add up to the tensor's change.
+    rng = np.random.default_rng(3)
+    master = rng.standard_normal(shape).astype(np.float32)
+    old = cast_bits(master.view(np.uint32), "F32", "BF16")
+    moved = rng.random(shape) < 0.05
+    master[moved] *= np.float32(1.03)
+    new = cast_bits(master.view(np.uint32), "F32", "BF16")
+    spec = TensorSpec("w", "BF16", shape)
+    want = diff({"w": spec}, {"w": old}, {"w": new}).tensors["w"]
+    assert want.changed > 0
+    for dim in range(len(shape)):
+        cuts = [0, shape[dim] // 3, shape[dim]]
+        indices, deltas, part = [], [], 0
+        for lo, hi in itertools.pairwise(cuts):
+            offsets = tuple(lo if d == dim else 0 for d in range(len(shape)))
+            sizes = tuple(hi - lo if d == dim else n for d, n in enumerate(shape))
+            block = Block(shape, offsets, sizes)
+            cut = tuple(slice(o, o + n) for o, n in zip(offsets, sizes, strict=True))
+            base = np.ascontiguousarray(old[cut])
+            fp = part_fingerprint(block, base)
+            for src, source in ((master[cut].view(np.uint32), "F32"), (new[cut], "BF16")):
+                got = block_diff(spec, block, base, np.ascontiguousarray(src), source, fp)
+                assert got.delta.base_fingerprint == fp
+                assert got.delta.target_fingerprint == part_fingerprint(block, np.ascontiguousarray(new[cut]))
+                assert (got.now == new[cut].reshape(-1)[got.local]).all()
+                assert (global_indices(block, got.local) == got.delta.indices).all()
+            indices.append(got.delta.indices)
+            deltas.append(got.delta.delta)
+            part += got.part
+        order = np.argsort(np.concatenate(indices))
+        assert (np.concatenate(indices)[order] == want.indices).all(), dim
+        assert (np.concatenate(deltas)[order] == want.delta).all(), dim
+        assert part % 2**64 == (want.target_fingerprint - want.base_fingerprint) % 2**64
+    whole = Block.whole(shape)
+    fp = fingerprint(old)
+    ranked = block_diff(spec, whole, old, master.view(np.uint32), "F32", fp, ranked=True).delta
+    reference = diff_ranked({"w": spec}, {"w": old}, {"w": new}, base_fingerprints={"w": fp}).tensors["w"]
+    assert type(ranked) is type(reference)
+    assert (ranked.indices == reference.indices).all() and ranked.target_fingerprint == reference.target_fingerprint
+    assert isinstance(reference, RankedDelta) == (old.size >= SMALLEST)
+    if isinstance(reference, RankedDelta):
+        assert isinstance(ranked, RankedDelta) and (ranked.ranks == reference.ranks).all()
 
 
 def _rank(rank: int, blocks: dict[str, Block], dtype: str = "BF16") -> RankLayout:
