@@ -50,8 +50,8 @@ tensor it owns (:mod:`bulletin.blocks`): its folder is one safetensors file of t
 blocks, ``state.json`` also names the blocks and each one's **part** of the tensor's
 fingerprint (hashed with the tensor's own flat indices: the parts of every rank sum to
 the manifest's fingerprint, which the sharded publisher checks across ranks after
-:meth:`PublishedBase.open`). A rebuild then reads only the keyframe files holding the
-rank's tensors, one at a time, and copies its blocks out; patches are applied to the
+:meth:`PublishedBase.open`). A rebuild then reads only the byte ranges of its blocks
+from the keyframe's files (:mod:`bulletin.keyframe_blocks`); patches are applied to the
 blocks, O(changed).
 """
 
@@ -77,11 +77,12 @@ from typing import Any, Final
 import numpy as np
 from numpy.typing import NDArray
 
-from bulletin.blocks import Block, BlockChanges, block_diff, block_slices, local_indices, part_fingerprint
-from bulletin.checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint, encode_safetensors_header
+from bulletin.blocks import Block, BlockChanges, block_diff, local_indices, part_fingerprint
+from bulletin.checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint
 from bulletin.device_kept import DeviceKept
 from bulletin.errors import BulletinError, FingerprintMismatch, FormatError, InternalError
 from bulletin.fileio import os_errors, write_atomic
+from bulletin.keyframe_blocks import read_blocks
 from bulletin.keyframe_stage import StagedKeyframe
 from bulletin.run import Run, StoredManifest
 from bulletin.shared_files import Privatizer, make_private, remove_temps, shared_files
@@ -573,51 +574,22 @@ class PublishedBase:
             raise
 
     def _extract_blocks(self, stored: StoredManifest) -> None:
-        """A new folder holding the blocks of :attr:`blocks` from ``stored``'s keyframe: only
-        the files holding those tensors are downloaded (SHA-256 verified), one at a time,
-        each block copied out to its place in one file, the file then removed."""
-        by_name = self._keyframe_files(stored)
-        specs = stored.manifest.specs
+        """A new folder holding the blocks of :attr:`blocks` from ``stored``'s keyframe,
+        read by byte ranges (:func:`~bulletin.keyframe_blocks.read_blocks`): the rank's
+        shard of each file, not the file."""
         folder = self._new_folder()
-        scratch = folder / ".download"  # a dot name: never a tensor file of the folder
         try:
-            with os_errors(f"cannot create {scratch}"):
-                scratch.mkdir(parents=True)
-            weight_map: dict[str, str] = {}
-            if INDEX_NAME in by_name:
-                obj = by_name[INDEX_NAME]
-                path = scratch / INDEX_NAME
-                self._run.store.get_to_file(self._run.key(obj.key), path, sha256=obj.sha256, max_bytes=obj.size)
-                raw: Any = json.loads(path.read_bytes()).get("weight_map", {})
-                weight_map = {str(k): str(v) for k, v in raw.items()}
-            files: dict[str, list[str]] = {}
-            for name in self.blocks:
-                file = weight_map.get(name, next(iter(by_name)) if len(by_name) == 1 else "")
-                if file not in by_name or not file.endswith(".safetensors"):
-                    raise FormatError(f"version {stored.version}: the keyframe has no file for {name!r}")
-                files.setdefault(file, []).append(name)
-            held = [TensorSpec(name, specs[name].dtype, self.blocks[name].sizes) for name in sorted(self.blocks)]
-            header, offsets = encode_safetensors_header(held, {"format": "pt"})
-            target = folder / SINGLE_NAME
-            with os_errors(f"cannot write {target}"), open(target, "wb") as out:
-                out.write(header)
-                out.truncate(len(header) + sum(spec.nbytes for spec in held))
-                for file, names in sorted(files.items()):
-                    obj = by_name[file]
-                    path = scratch / file
-                    self._run.store.get_to_file(self._run.key(obj.key), path, sha256=obj.sha256, max_bytes=obj.size)
-                    with Checkpoint(path) as ckpt:
-                        for name in names:
-                            if ckpt.specs.get(name) != specs[name]:
-                                raise FormatError(
-                                    f"version {stored.version}: keyframe tensor {name!r} is not its manifest's"
-                                )
-                            part = np.ascontiguousarray(ckpt.bits(name)[block_slices(self.blocks[name])])
-                            out.seek(len(header) + offsets[name][0])
-                            out.write(part.reshape(-1).view(np.uint8).data)
-                            del part
-                    path.unlink()
-            shutil.rmtree(scratch)
+            with os_errors(f"cannot create {folder}"):
+                folder.mkdir(parents=True)
+            read_blocks(
+                self._run.store,
+                self._run.key,
+                self._keyframe_files(stored),
+                stored.manifest.specs,
+                self.blocks,
+                folder / SINGLE_NAME,
+                workers=min(8, self._run.max_workers),
+            )
             self._map(folder.name)
         except BaseException:
             self._unmap()

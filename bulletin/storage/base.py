@@ -37,7 +37,7 @@ from datetime import datetime
 from typing import Protocol, Self, TypeAlias, runtime_checkable
 
 from bulletin.errors import InvalidInput, StorageUnavailable, StoreNotWritable
-from bulletin.storage.keys import check_etag, check_max_bytes
+from bulletin.storage.keys import check_etag, check_max_bytes, check_range
 
 __all__ = [
     "Conflicted",
@@ -151,6 +151,17 @@ class Store(Protocol):
         """
         ...
 
+    def get_range(self, key: str, start: int, stop: int) -> bytes:
+        """Bytes ``[start, stop)`` of the object (``0 <= start < stop``, else
+        ``InvalidInput``); ``NotFound`` if absent. As HTTP's ranges, a range past the
+        object's end is cut there: fewer bytes, none when ``start`` is at or past it.
+
+        Meant for immutable objects a reader needs part of (a rank's blocks of a
+        keyframe file): no digest covers a range, so the reader checks what it read by
+        what it knows of it (the blocks' fingerprints).
+        """
+        ...
+
     def stat(self, key: str) -> ObjectInfo:
         """Size, ETag and modification time of an object; ``NotFound`` if absent."""
         ...
@@ -261,6 +272,19 @@ class StoreBase:
         over ``max_bytes``), or None while it still carries ``if_changed_from``; the
         arguments are already checked."""
         raise NotImplementedError
+
+    def _read_range(self, key: str, start: int, stop: int) -> bytes:
+        """The backend's ranged read (:meth:`Store.get_range`), the bounds already checked."""
+        raise NotImplementedError
+
+    def get_range(self, key: str, start: int, stop: int) -> bytes:
+        """Bytes ``[start, stop)`` of the object, cut at its end; ``NotFound`` if absent."""
+        self._check_open()
+        first, end = check_range(start, stop)
+        data = self._read_range(key, first, end)
+        if len(data) > end - first:  # a server that ignored the range sent the whole object
+            raise StorageUnavailable(f"{self._url}: {key!r}: {len(data)} bytes answered to a range of {end - first}")
+        return data
 
     def get(self, key: str, *, max_bytes: int | None = None) -> ObjectData:
         """The object's bytes and ETag; ``NotFound`` if absent, ``ObjectTooLarge`` over ``max_bytes``."""

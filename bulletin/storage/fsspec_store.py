@@ -209,6 +209,14 @@ class FsspecStore(StoreBase):
                 return None
         return ObjectData(data, etag)
 
+    def _read_range(self, key: str, start: int, stop: int) -> bytes:
+        self._check_open()
+        size = self._info(key).get("size")  # a directory is a prefix of keys, not an object
+        if isinstance(size, int) and start >= size:
+            return b""
+        with self._errors(self._where(key)):
+            return bytes(self._fs.cat_file(self._path(key), start=start, end=stop))
+
     def get_to_file(
         self,
         key: str,

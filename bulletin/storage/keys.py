@@ -148,6 +148,17 @@ def check_max_bytes(max_bytes: object) -> int | None:
     return max_bytes
 
 
+def check_range(start: object, stop: object) -> tuple[int, int]:
+    """Return the bounds of a ranged read: ints with ``0 <= start < stop``."""
+    for name, value in (("start", start), ("stop", stop)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise InvalidInput(f"{name} must be an int, got {value!r}")
+    assert isinstance(start, int) and isinstance(stop, int)
+    if not 0 <= start < stop:
+        raise InvalidInput(f"a range needs 0 <= start < stop, got [{start}, {stop})")
+    return start, stop
+
+
 def too_large(where: str, size: int | None, max_bytes: int) -> ObjectTooLarge:
     """The error of a bounded read that found an object of ``size`` bytes (None: unknown,
     it only showed while reading) larger than ``max_bytes``."""

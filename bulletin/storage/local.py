@@ -258,6 +258,21 @@ class LocalStore(StoreBase):
                     raise too_large(f"{self.url}: {key!r}", None, max_bytes)
                 return ObjectData(data, etag)
 
+    def _read_range(self, key: str, start: int, stop: int) -> bytes:
+        self._check_open()
+        _, path = self._path(key)
+        with self._os_errors(key):
+            fd = self._open_object(key, path)
+            try:
+                chunks: list[bytes] = []
+                at = start
+                while at < stop and (chunk := os.pread(fd, stop - at, at)):
+                    chunks.append(chunk)
+                    at += len(chunk)
+                return b"".join(chunks)
+            finally:
+                os.close(fd)
+
     def stat(self, key: str) -> ObjectInfo:
         """Size, ETag and modification time; ``NotFound`` if absent."""
         self._check_open()

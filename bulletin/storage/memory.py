@@ -126,6 +126,9 @@ class MemoryStore(StoreBase):
             raise too_large(f"{self.url}: {key!r}", len(entry.data), max_bytes)
         return ObjectData(entry.data, entry.etag)
 
+    def _read_range(self, key: str, start: int, stop: int) -> bytes:
+        return bytes(self._entry(key).data[start:stop])
+
     def stat(self, key: str) -> ObjectInfo:
         """Size, ETag and modification time; ``NotFound`` if absent."""
         entry = self._entry(key)

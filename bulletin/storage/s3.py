@@ -469,10 +469,22 @@ class S3Store(StoreBase):
     # -- reads ------------------------------------------------------------------------
 
     def _read(self, key: str, if_none_match: str | None, max_bytes: int | None) -> ObjectData | None:
+        extra = {} if if_none_match is None else {"IfNoneMatch": if_none_match}
+        got = self._fetch(key, extra, max_bytes, quiet=(304,))
+        return None if isinstance(got, int) else ObjectData(*got)
+
+    def _read_range(self, key: str, start: int, stop: int) -> bytes:
+        # 416: the range starts at or past the object's end (an empty object included).
+        got = self._fetch(key, {"Range": f"bytes={start}-{stop - 1}"}, stop - start, quiet=(416,))
+        return b"" if isinstance(got, int) else got[0]
+
+    def _fetch(
+        self, key: str, extra: dict[str, str], max_bytes: int | None, *, quiet: tuple[int, ...]
+    ) -> tuple[bytes, str] | int:
+        """``GetObject``'s body and ETag, or the status of an answer in ``quiet``."""
         self._check_open()
         full = join_key(self._prefix, key)
         context = self._where(key)
-        extra = {} if if_none_match is None else {"IfNoneMatch": if_none_match}
         # botocore retries the request, not the body that streams in after it: a
         # connection dropped mid-body is retried here, as many times.
         attempt = 1
@@ -480,8 +492,9 @@ class S3Store(StoreBase):
             try:
                 response = self._call(context, self._client.get_object, Key=full, **extra)
             except bx.ClientError as exc:
-                if _status(exc) == 304:
-                    return None
+                status = _status(exc)
+                if status in quiet:
+                    return status
                 raise self._error(exc, context) from exc
             try:
                 with response["Body"] as body:
@@ -492,7 +505,7 @@ class S3Store(StoreBase):
                 time.sleep(random.uniform(0, 0.1 * 2**attempt))
                 attempt += 1
                 continue
-            return ObjectData(data, response["ETag"])
+            return data, str(response["ETag"])
 
     @staticmethod
     def _body(body: Any, length: object, max_bytes: int | None, context: str) -> bytes:

@@ -46,6 +46,9 @@ class WrapperStore:
     def get_if_changed(self, key: str, etag: str | None, *, max_bytes: int | None = None) -> ObjectData | None:
         return self.inner.get_if_changed(key, etag, max_bytes=max_bytes)
 
+    def get_range(self, key: str, start: int, stop: int) -> bytes:
+        return self.inner.get_range(key, start, stop)
+
     def stat(self, key: str) -> ObjectInfo:
         return self.inner.stat(key)
 
@@ -129,6 +132,13 @@ class CountingStore(WrapperStore):
         obj = super().get_if_changed(key, etag, max_bytes=max_bytes)
         self._received(obj)
         return obj
+
+    def get_range(self, key: str, start: int, stop: int) -> bytes:
+        self._count()
+        data = super().get_range(key, start, stop)
+        with self._lock:
+            self._down += len(data)
+        return data
 
     def stat(self, key: str) -> ObjectInfo:
         self._count()

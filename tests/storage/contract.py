@@ -390,6 +390,25 @@ class StoreContract(FileTransferContract):
         with pytest.raises(InvalidInput):
             store.put_if_absent(key + "x", b"too long")
 
+    def test_get_range(self, store: Store) -> None:
+        data = bytes(range(256)) * 40
+        store.put_if_absent("r", data)
+        assert store.get_range("r", 0, 10) == data[:10]
+        assert store.get_range("r", 100, 5000) == data[100:5000]
+        assert store.get_range("r", len(data) - 1, len(data)) == data[-1:]
+        assert store.get_range("r", 10000, 20000) == data[10000:]  # cut at the end, as HTTP's
+        assert store.get_range("r", len(data), len(data) + 5) == b""
+        store.put_if_absent("empty", b"")
+        assert store.get_range("empty", 0, 1) == b""
+        for start, stop in [(-1, 2), (5, 5), (6, 5), (True, 3), (0, 2.0)]:
+            with pytest.raises(InvalidInput):
+                store.get_range("r", start, stop)  # type: ignore[arg-type]
+        with pytest.raises(NotFound):
+            store.get_range("missing", 0, 1)
+        store.put_if_absent("dir/object", b"x")
+        with pytest.raises(NotFound):
+            store.get_range("dir", 0, 1)
+
     # -- not found --------------------------------------------------------------------
 
     def test_missing_key(self, store: Store) -> None:

@@ -172,6 +172,12 @@ def test_reads_missing_and_bounded(site: Site, store: Store) -> None:
             call()
     with pytest.raises(NotFound):
         store.get_if_changed(f"{RUN}/missing", '"etag"')
+    data = (site.bucket / key).read_bytes()  # ranges, as a rank rebuilding its blocks reads them
+    assert store.get_range(key, 3, 40) == data[3:40]
+    assert store.get_range(key, size - 5, size + 100) == data[-5:]
+    assert store.get_range(key, size, size + 1) == b""
+    with pytest.raises(NotFound):
+        store.get_range(f"{RUN}/missing", 0, 1)
 
 
 def test_writes_are_refused_before_any_request(site: Site, store: Store, tmp_path: Path) -> None:
