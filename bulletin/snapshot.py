@@ -23,6 +23,7 @@ change comes back.
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -33,7 +34,7 @@ from numpy.typing import NDArray
 from bulletin.device_kept import on_gpu
 from bulletin.engines.torch_module import torch_dtype
 from bulletin.errors import InternalError, InvalidInput, UnsupportedDtype
-from kernels.dispatch import as_bits, dtype_name
+from kernels.dispatch import as_bits, dtype_name, torch_reading
 from patcher.cast import cast_bits
 from patcher.dtypes import FLOAT_DTYPES, SERVED_FLOAT_DTYPES
 from patcher.names import check_tensor_name
@@ -231,15 +232,13 @@ def cast_served(bits: Bits, dtype: str, served: str) -> tuple[str, Bits]:
         return dtype, bits
     if dtype == "F32":
         return served, cast_bits(np.ascontiguousarray(bits).view(np.uint32), "F32", served)
-    try:
-        import torch
-    except ImportError:
+    if importlib.util.find_spec("torch") is None:
         raise UnsupportedDtype(
             f"casting {dtype} tensors to {served} needs torch (pip install torch), which rounds them as a "
             "trainer's state dict is rounded; or serve them as they are"
-        ) from None
+        )
     signed = np.ascontiguousarray(bits).view(f"<i{bits.dtype.itemsize}")  # torch has no unsigned 16/32/64 views
-    cast = torch.from_numpy(signed).view(torch_dtype(dtype)).to(torch_dtype(served))
+    cast = torch_reading(signed).view(torch_dtype(dtype)).to(torch_dtype(served))
     return served, as_bits(cast)
 
 

@@ -24,7 +24,7 @@ from patcher.patch import Change, Patch
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DTYPE_NAMES", "Backend", "as_bits", "backend_for", "dtype_name"]
+__all__ = ["DTYPE_NAMES", "Backend", "as_bits", "backend_for", "dtype_name", "torch_reading"]
 
 
 class Backend(Protocol):
@@ -178,6 +178,19 @@ def _torch_bits(tensor: torch.Tensor) -> BitsArray:
             raise InvalidInput("bits views of CUDA tensors need CuPy") from exc
         return cupy.from_dlpack(view)
     raise InvalidInput(f"no bits view for torch tensors on {device!r}")
+
+
+def torch_reading(array: np.ndarray[Any, Any]) -> torch.Tensor:
+    """A CPU torch tensor viewing ``array`` (no copy) for torch to read: to send, copy or
+    cast. A read-only array (a memory map of a checkpoint or a cache) is viewed too,
+    without torch's warning, which is about writes through such a view."""
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
+        return torch.from_numpy(array)
 
 
 def as_bits(tensor: object) -> BitsArray:

@@ -15,7 +15,6 @@ no single rank holds whole (:meth:`Comm.send` / :meth:`Comm.recv`, one block at 
 from __future__ import annotations
 
 import pickle
-import warnings
 from datetime import timedelta
 from typing import Any
 
@@ -23,6 +22,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from bulletin.errors import RankFailed
+from kernels.dispatch import torch_reading
 
 __all__ = ["Comm"]
 
@@ -116,16 +116,11 @@ class Comm:
 
     def send(self, bits: NDArray[Any], dst: int) -> None:
         """One block's bytes to rank ``dst`` (which calls :meth:`recv`)."""
-        import torch
         import torch.distributed as dist
 
-        data = np.ascontiguousarray(bits).reshape(-1).view(np.uint8)
-        with warnings.catch_warnings():
-            # A block read from a read-only map: a send only reads the tensor torch warns of.
-            warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
-            tensor = torch.from_numpy(data)
+        data = np.ascontiguousarray(bits).reshape(-1).view(np.uint8)  # a block of a read-only map, maybe
         try:
-            dist.send(tensor, dst=dst, group=self.group)
+            dist.send(torch_reading(data), dst=dst, group=self.group)
         except RuntimeError as exc:
             raise self._failed("sending a keyframe block", exc) from exc
 

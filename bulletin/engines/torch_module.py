@@ -49,7 +49,7 @@ from bulletin.errors import (
     WrongBase,
 )
 from bulletin.target import Held, WeightTarget
-from kernels.dispatch import DTYPE_NAMES
+from kernels.dispatch import DTYPE_NAMES, torch_reading
 from patcher.context_decode import CodedChanges, needs_base, resolve_transition
 from patcher.context_decode import resolve as entry_indices
 from patcher.fingerprint import fingerprint, fingerprint_rows, format_fingerprint
@@ -440,7 +440,7 @@ class _Slot:
             return
         import torch
 
-        host = torch.from_numpy(np.ascontiguousarray(source).reshape(-1).view(np.uint8))
+        host = torch_reading(np.ascontiguousarray(source).reshape(-1).view(np.uint8))
         self.tensor.reshape(-1).view(torch.uint8).copy_(host)
 
 

@@ -127,3 +127,20 @@ def test_publish_dtype_option(tmp_path: Path, dtype: str, served: str) -> None:
     with Checkpoint(tmp_path / "n" / "current") as ckpt:
         assert {spec.dtype for spec in ckpt.specs.values()} == {served}
     assert json.loads((tmp_path / "n" / "current" / "config.json").read_text())["dtype"] == names[served]
+
+
+def test_a_half_precision_checkpoint_is_served_as_torch_casts_it(tmp_path: Path) -> None:
+    # F16 -> BF16 goes through torch's own cast, reading the checkpoint's read-only maps.
+    from bulletin.checkpoint import Checkpoint
+
+    checkpoint = tmp_path / "checkpoint"
+    model = llama(llama_config(vocab=64, hidden=32, intermediate=64, layers=1), 0).half()
+    model.save_pretrained(checkpoint)
+    answer = _cli("publish", str(checkpoint), "--store", str(tmp_path / "b"), "--run", "r", "--dtype", "bf16")
+    assert answer["notes"] == ["config.json: dtype float16 -> bfloat16"]
+    assert main(["sync", "--store", str(tmp_path / "b"), "--run", "r", "--to", str(tmp_path / "n")]) == 0
+    state = model.state_dict()
+    with Checkpoint(tmp_path / "n" / "current") as ckpt:
+        assert set(ckpt.specs) == set(state) - {"lm_head.weight"}  # tied to the embedding: once
+        for name in ckpt.specs:
+            assert (ckpt.bits(name) == state[name].to(torch.bfloat16).view(torch.uint16).numpy()).all(), name
