@@ -79,7 +79,7 @@ from bulletin.keyframe_upload import KeyframeUpload
 from bulletin.keyspace import file_key, keyframe_prefix, patch_shard_key
 from bulletin.model_files import ModelFiles, select_model_files, with_served_dtype
 from bulletin.run import Run, StoredManifest, sha256_hex
-from bulletin.signing import Signer
+from bulletin.signing import Signer, as_signer
 from bulletin.snapshot import Snapshot, cast_served, take_snapshot
 from bulletin.storage import Conflicted, Store, open_store, require_writable
 from bulletin.sync import check_chain
@@ -270,10 +270,7 @@ class Publisher:
             raise ConfigError("queue_size >= 1; max_shard_bytes and keyframe_file_bytes >= 1 KiB")
         opened = open_store(store) if isinstance(store, str | os.PathLike) else store
         require_writable(opened, "publishing")  # before a model is cast, diffed or uploaded
-        signer = (
-            signing_key if isinstance(signing_key, Signer) or signing_key is None else Signer.from_file(signing_key)
-        )
-        self._run = Run(opened, run, max_workers=max_workers, signer=signer)
+        self._run = Run(opened, run, max_workers=max_workers, signer=as_signer(signing_key))
         self.dtype = dtype
         self.keyframe_every = keyframe_every
         self.codec = codec

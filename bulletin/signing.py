@@ -59,6 +59,7 @@ __all__ = [
     "TRUSTED_KEYS_ENV",
     "Signer",
     "TrustPolicy",
+    "as_signer",
     "generate_key_files",
     "key_id",
     "load_private_key",
@@ -405,6 +406,12 @@ def load_trust(
             raise ConfigError("--max-head-age needs --trusted-key: only a signed head's age can be trusted")
         return None
     return TrustPolicy.from_files(paths, max_head_age=max_head_age)
+
+
+def as_signer(signing_key: Signer | str | os.PathLike[str] | None) -> Signer | None:
+    """A publisher's ``signing_key`` argument as a signer: a :class:`Signer` as it is, a
+    private key file loaded, None (unsigned) as it is."""
+    return signing_key if isinstance(signing_key, Signer) or signing_key is None else Signer.from_file(signing_key)
 
 
 def load_signer(path: str | os.PathLike[str] | None, environ: Mapping[str, str] | None = None) -> Signer | None:

@@ -56,6 +56,7 @@ from bulletin.keyframe_stage import StagedKeyframe
 from bulletin.keyspace import keyframe_prefix, patch_shard_key
 from bulletin.publisher import PublishResult, build_manifest, publish_result
 from bulletin.run import Run, StoredManifest, sha256_hex
+from bulletin.signing import Signer, as_signer
 from bulletin.snapshot import TensorBits, read_served
 from bulletin.snapshot import layout as local_layout
 from bulletin.storage import Conflicted, Store, open_store, require_writable
@@ -175,7 +176,8 @@ class ShardedPublisher:
     where each rank keeps its blocks of the last committed version, in its own folder
     ``rank-<r>`` (default: the Publisher's cache folder for the store and run);
     ``scratch_dir``: where a rank writes its files of a keyframe before they are uploaded
-    (default: the system's temporary folder).
+    (default: the system's temporary folder). ``signing_key``: as the Publisher's, needed on
+    rank 0 only, which signs every manifest and head of the job (docs/SECURITY.md).
 
     After a step fails (on any rank), every later call on every rank raises
     :class:`~bulletin.errors.RankFailed` (or the step's own error on the rank that
@@ -198,6 +200,7 @@ class ShardedPublisher:
         timeout_s: float = 300.0,
         scratch_dir: str | os.PathLike[str] | None = None,
         cache_dir: str | os.PathLike[str] | None = None,
+        signing_key: Signer | str | os.PathLike[str] | None = None,
     ) -> None:
         if dtype not in SERVED_FLOAT_DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(SERVED_FLOAT_DTYPES)}, not {dtype!r}")
@@ -209,7 +212,8 @@ class ShardedPublisher:
             raise ConfigError("queue_size >= 1; max_shard_bytes and keyframe_file_bytes >= 1 KiB; timeout_s > 0")
         opened = open_store(store) if isinstance(store, str | os.PathLike) else store
         require_writable(opened, "publishing")
-        self._run = Run(opened, run, max_workers=max_workers)
+        # Rank 0 alone writes manifests and heads: the other ranks may pass no key.
+        self._run = Run(opened, run, max_workers=max_workers, signer=as_signer(signing_key))
         self.dtype = dtype
         self.keyframe_every = keyframe_every
         self.codec = check_codec(codec)

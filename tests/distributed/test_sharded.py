@@ -15,10 +15,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from bulletin import Subscriber
 from bulletin.run import Run
+from bulletin.signing import TrustPolicy
 from bulletin.storage import open_store
+from schemas.head import HeadV2
+from tests.distributed.worker import SIGNING_SEED
 
 pytest.importorskip("torch.distributed")
 pytest.importorskip("transformers")
@@ -102,6 +106,17 @@ def test_a_sharded_run_is_the_single_process_run(stores: dict[int, str]) -> None
         for version, (ours, reference) in enumerate(zip(sharded, single, strict=True), start=1):
             assert {n: a.tobytes() for n, a in ours.items()} == {n: a.tobytes() for n, a in reference.items()}, version
     assert tensor_entries(stores[4], "fsdp") == tensor_entries(stores[1], "fsdp-single")
+
+
+def test_rank_0_signs_every_manifest_and_head_of_the_job(stores: dict[int, str]) -> None:
+    # Only rank 0 is given the key (tests/distributed/worker.py's pipeline scenario).
+    trust = TrustPolicy([Ed25519PrivateKey.from_private_bytes(SIGNING_SEED).public_key()])
+    for store in stores.values():
+        run = Run(open_store(store), "pipeline", trust=trust)
+        for version in range(1, RUNS["pipeline"] + 1):
+            run.read_manifest(version)  # UntrustedVersion / Unsigned unless signed by the key
+        head = run.read_head()
+        assert head is not None and isinstance(head.head, HeadV2) and head.head.version == RUNS["pipeline"]
 
 
 def test_the_chain_has_keyframes_and_patches(stores: dict[int, str]) -> None:

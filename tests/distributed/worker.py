@@ -28,9 +28,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from bulletin import Publisher
 from bulletin.distributed import LocalShard, ShardedPublisher
+from bulletin.signing import Signer
 
 STEPS = 6
 #: Small shards and keyframe files, so that several ranks write each version's.
@@ -186,8 +188,14 @@ def megatron(rank: int, world: int, store: str) -> None:
     pub.close()
 
 
+#: The trainer's key of the pipeline run: rank 0 alone is given it, and signs the job's
+#: manifests and heads (tests/distributed/test_sharded.py checks them).
+SIGNING_SEED = bytes(range(32))
+
+
 def pipeline(rank: int, world: int, store: str) -> None:
-    pub = ShardedPublisher(store, "pipeline", keyframe_every=3, timeout_s=60)
+    key = Signer(Ed25519PrivateKey.from_private_bytes(SIGNING_SEED)) if rank == 0 else None
+    pub = ShardedPublisher(store, "pipeline", keyframe_every=3, timeout_s=60, signing_key=key)
     for version in range(1, 5):
         state = {
             f"layers.{i}.weight": _full(f"layers.{i}.weight", (6, 5), version) for i in range(4) if i % world == rank
