@@ -104,7 +104,16 @@ from schemas.manifest import (
     manifest_files,
 )
 
-__all__ = ["FilesArg", "PublishResult", "Publisher", "build_manifest", "publish_result"]
+__all__ = [
+    "FilesArg",
+    "PreparedFiles",
+    "PublishResult",
+    "Publisher",
+    "build_manifest",
+    "prepare_files",
+    "publish_result",
+    "upload_files",
+]
 
 #: What ``files=`` takes: checked files, a mapping of relative path -> bytes, a checkpoint
 #: folder (its files by the default rule of :func:`~bulletin.model_files.select_model_files`),
@@ -147,7 +156,7 @@ class _Pending:
 
 
 @dataclass(frozen=True, slots=True)
-class _Files:
+class PreparedFiles:
     """The model files a publish was given (None: the previous version's) and the notes
     their preparation left."""
 
@@ -236,6 +245,44 @@ def _as_model_files(files: FilesArg) -> ModelFiles | None:
     return ModelFiles.of(files)
 
 
+def prepare_files(files: FilesArg, dtype: str, *, cast: bool) -> PreparedFiles:
+    """A publish's ``files`` checked (before anything is snapshotted or uploaded), with
+    ``config.json`` naming the served ``dtype`` when floating tensors are cast to it."""
+    given = _as_model_files(files)
+    if given is None or not cast:
+        return PreparedFiles(given)
+    served, notes = with_served_dtype(given, dtype)
+    return PreparedFiles(served, notes)
+
+
+def upload_files(
+    run: Run,
+    version: int,
+    previous: tuple[FileRef, ...],
+    files: ModelFiles | None,
+    on_bytes: Callable[[int], None] | None = None,
+) -> tuple[tuple[FileRef, ...], int]:
+    """The file refs of ``version`` of ``run``, and the bytes uploaded for them: the
+    parent's refs (``previous``) when no files were given; otherwise one per file, naming
+    the object the parent named for the same bytes (nothing uploaded) or a new one,
+    uploaded create-only now (before the manifest that names it)."""
+    if files is None:
+        return previous, 0
+    by_digest = {ref.sha256: ref for ref in previous}
+    refs: list[FileRef] = []
+    items: dict[str, bytes] = {}
+    for path, content in files.files.items():
+        digest = sha256_hex(content)
+        known = by_digest.get(digest)
+        key = known.key if known is not None else file_key(version, digest)
+        if known is None:
+            items[key] = content
+        refs.append(FileRef(path=path, key=key, size=len(content), sha256=digest))
+    if items:
+        run.upload(items, on_bytes)
+    return tuple(refs), sum(len(content) for content in items.values())
+
+
 class Publisher:
     """Publishes versions of one run. Not thread-safe: one trainer process, one Publisher."""
 
@@ -280,7 +327,7 @@ class Publisher:
         self._on_bytes = on_bytes
         self._base = PublishedBase(self._run, dtype, cache_dir)
         self._resumed = False
-        self._queue: queue.Queue[tuple[Snapshot, dict[str, str], _Files, Future[PublishResult], int] | None] = (
+        self._queue: queue.Queue[tuple[Snapshot, dict[str, str], PreparedFiles, Future[PublishResult], int] | None] = (
             queue.Queue(maxsize=queue_size)
         )
         self._worker: threading.Thread | None = None
@@ -325,7 +372,7 @@ class Publisher:
         self._check_open()
         self.flush()
         checked = check_metadata(metadata or {})  # bad input changes nothing: checked first
-        given = self._files(files, cast=True)
+        given = prepare_files(files, self.dtype, cast=True)
         return self._publish(self._prepare(state_dict, copy=False), checked, given).version
 
     def publish_checkpoint(
@@ -355,7 +402,7 @@ class Publisher:
         if files is None and not keep_files and Path(path).is_dir():
             selected = select_model_files(path)
             files = selected if len(selected) else None
-        given = self._files(files, cast=cast)
+        given = prepare_files(files, self.dtype, cast=cast)
         self.flush()
         with Checkpoint(path) as ckpt:
             self._ready()
@@ -402,7 +449,7 @@ class Publisher:
         self._check_open()
         self._raise_background_error()
         checked = check_metadata(metadata or {})
-        given = self._files(files, cast=True)
+        given = prepare_files(files, self.dtype, cast=True)
         epoch = self._epoch  # read before _prepare: a failure from now on refuses this snapshot
         snap = self._prepare(state_dict, copy=True)
         future: Future[PublishResult] = Future()
@@ -460,15 +507,6 @@ class Publisher:
     def _check_open(self) -> None:
         if self._closed:
             raise InvalidInput("this Publisher is closed")
-
-    def _files(self, files: FilesArg, *, cast: bool) -> _Files:
-        """``files`` checked (before anything is snapshotted or uploaded), with
-        ``config.json`` naming the served dtype when floating tensors are cast to it."""
-        given = _as_model_files(files)
-        if given is None or not cast:
-            return _Files(given)
-        served, notes = with_served_dtype(given, self.dtype)
-        return _Files(served, notes)
 
     def _raise_background_error(self) -> None:
         if self._error is not None:
@@ -586,14 +624,14 @@ class Publisher:
             message = f"{exc}; this publisher cannot continue (a new Publisher resumes from the run's tip)"
             raise type(exc)(message) from None
 
-    def _publish(self, snap: Snapshot, metadata: dict[str, str], files: _Files) -> PublishResult:
+    def _publish(self, snap: Snapshot, metadata: dict[str, str], files: PreparedFiles) -> PublishResult:
         try:
             return self._publish_once(snap, metadata, files)
         except BaseException as exc:
             self._failure(exc)
             raise
 
-    def _publish_once(self, snap: Snapshot, metadata: dict[str, str], files: _Files) -> PublishResult:
+    def _publish_once(self, snap: Snapshot, metadata: dict[str, str], files: PreparedFiles) -> PublishResult:
         if not self._resumed:
             self._resume()
         base = self._base
@@ -618,7 +656,7 @@ class Publisher:
             patch, fps = self._diff(snap, staged, same_layout)
             patch_ref = self._upload_patch(version, patch) if patch is not None else None
             keyframe_ref = upload.finish(staged.finish()) if staged is not None and upload is not None else None
-            file_refs, files_uploaded = self._upload_files(version, files.files)
+            file_refs, files_uploaded = upload_files(self._run, version, base.files, files.files, self._on_bytes)
             manifest = self._manifest(version, parent, snap, fps, patch_ref, keyframe_ref, file_refs, metadata)
         except BaseException:
             if upload is not None:
@@ -692,27 +730,6 @@ class Publisher:
         return build_manifest(
             self.run, self.writer, version, parent, snap.specs, fps, patch_ref, keyframe_ref, file_refs, metadata
         )
-
-    def _upload_files(self, version: int, files: ModelFiles | None) -> tuple[tuple[FileRef, ...], int]:
-        """The version's file refs, and the bytes uploaded for them: the parent's refs when
-        no files were given; otherwise one per file, naming the object the parent named for
-        the same bytes (nothing uploaded) or a new one, uploaded create-only now."""
-        previous = self._base.files
-        if files is None:
-            return previous, 0
-        by_digest = {ref.sha256: ref for ref in previous}
-        refs: list[FileRef] = []
-        items: dict[str, bytes] = {}
-        for path, content in files.files.items():
-            digest = sha256_hex(content)
-            known = by_digest.get(digest)
-            key = known.key if known is not None else file_key(version, digest)
-            if known is None:
-                items[key] = content
-            refs.append(FileRef(path=path, key=key, size=len(content), sha256=digest))
-        if items:
-            self._run.upload(items, self._on_bytes)
-        return tuple(refs), sum(len(content) for content in items.values())
 
     def _upload_patch(self, version: int, patch: Patch) -> PatchRef:
         codec: str

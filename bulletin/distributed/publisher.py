@@ -54,7 +54,15 @@ from bulletin.errors import (
 from bulletin.fileio import pwrite_all
 from bulletin.keyframe_stage import StagedKeyframe
 from bulletin.keyspace import keyframe_prefix, patch_shard_key
-from bulletin.publisher import PublishResult, build_manifest, publish_result
+from bulletin.publisher import (
+    FilesArg,
+    PreparedFiles,
+    PublishResult,
+    build_manifest,
+    prepare_files,
+    publish_result,
+    upload_files,
+)
 from bulletin.run import Run, StoredManifest, sha256_hex
 from bulletin.signing import Signer, as_signer
 from bulletin.snapshot import TensorBits, read_served
@@ -153,6 +161,8 @@ class _Snap:
     #: The blocks' bits: copied when the snapshot was taken (``publish_async``), else
     #: read in place when the step needs them.
     bits: TensorBits = field(default_factory=TensorBits)
+    #: The version's model files (rank 0's; None keeps the previous version's).
+    files: PreparedFiles = field(default_factory=lambda: PreparedFiles(None))
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,21 +264,27 @@ class ShardedPublisher:
 
     # -- public API --------------------------------------------------------------------
 
-    def publish(self, state_dict: Mapping[str, Any], *, metadata: Mapping[str, str] | None = None) -> int:
+    def publish(
+        self, state_dict: Mapping[str, Any], *, metadata: Mapping[str, str] | None = None, files: FilesArg = None
+    ) -> int:
         """Publish one step synchronously (every rank calls it with its own part); returns
-        the version committed. Tensors are read while it runs."""
+        the version committed. Tensors are read while it runs. ``metadata`` and ``files``
+        (the version's model files, as the Publisher's: None keeps the previous version's,
+        and ``config.json`` is made to name the served dtype) are rank 0's; the other
+        ranks' are ignored."""
         self._check_open()
         self.flush()
-        snap = self._snapshot(state_dict, metadata, copy=False)
+        snap = self._snapshot(state_dict, metadata, files, copy=False)
         return self._step(snap).version
 
     def publish_async(
-        self, state_dict: Mapping[str, Any], *, metadata: Mapping[str, str] | None = None
+        self, state_dict: Mapping[str, Any], *, metadata: Mapping[str, str] | None = None, files: FilesArg = None
     ) -> Future[PublishResult]:
         """Copy this rank's blocks now, publish in the background (collectives on the
-        publisher's own group, one step after another on every rank)."""
+        publisher's own group, one step after another on every rank); ``metadata`` and
+        ``files`` as for :meth:`publish` (read now)."""
         self._check_open()
-        snap = self._snapshot(state_dict, metadata, copy=True)
+        snap = self._snapshot(state_dict, metadata, files, copy=True)
         future: Future[PublishResult] = Future()
         if self._worker is None:
             self._worker = threading.Thread(target=self._drain, name=f"bulletin-sharded-{self.run}", daemon=True)
@@ -331,16 +347,19 @@ class ShardedPublisher:
             finally:
                 self._queue.task_done()
 
-    def _snapshot(self, state_dict: Mapping[str, Any], metadata: Mapping[str, str] | None, *, copy: bool) -> _Snap:
+    def _snapshot(
+        self, state_dict: Mapping[str, Any], metadata: Mapping[str, str] | None, files: FilesArg, *, copy: bool
+    ) -> _Snap:
         """This rank's part of a step. Errors are kept, not raised: the step must still
         meet the other ranks to fail there too."""
         try:
-            checked = check_metadata(metadata or {})
+            checked = check_metadata(metadata or {}) if self.rank == 0 else {}
+            given = prepare_files(files, self.dtype, cast=True) if self.rank == 0 else PreparedFiles(None)
             local, blocks = _split(state_dict)
             found = local_layout(local, self.dtype)
             specs = {name: TensorSpec(name, spec.dtype, blocks[name].shape) for name, spec in found.specs.items()}
             snap = _Snap(RankLayout(self.rank, specs, {n: blocks[n] for n in specs}, found.aliases))
-            snap.metadata = checked
+            snap.metadata, snap.files = checked, given
             for name, value in found.values.items():
                 source, served = found.source_dtypes[name], found.specs[name].dtype
                 if copy:  # now: the caller may change its tensors once this returns
@@ -532,12 +551,12 @@ class ShardedPublisher:
         patch_ref = PatchRef(
             codec=self.codec, shards=tuple(r for part in all_refs for r in part), changed_elements=changed
         )
-        stored = self._commit(version, layout, fps, patch_ref, None, snap.metadata)
+        stored, uploaded = self._commit(version, layout, fps, patch_ref, None, snap)
         parts = {name: change.delta.target_fingerprint for name, change in changes.items()}
         base.advance(stored, changes=changes, parts=parts)
         self._owners = layout.owners
         self._at("advanced", version)
-        return self._result(stored)
+        return self._result(stored, snap, uploaded)
 
     def _merge(
         self,
@@ -614,7 +633,7 @@ class ShardedPublisher:
             self._at("uploaded", version)
             ordered = tuple(ref for _, ref in sorted((i, r) for part in all_refs for i, r in part))
             keyframe_ref = KeyframeRef(prefix=prefix, files=ordered)
-            stored = self._commit(version, layout, fps, None, keyframe_ref, snap.metadata)
+            stored, uploaded = self._commit(version, layout, fps, None, keyframe_ref, snap)
         except BaseException:
             kept = {}
             if written is not None:
@@ -628,7 +647,7 @@ class ShardedPublisher:
         self._base.advance(stored, staged=staged, parts=parts)
         self._owners = layout.owners
         self._at("advanced", version)
-        return self._result(stored)
+        return self._result(stored, snap, uploaded)
 
     def _write_keyframe_files(
         self, files: list[tuple[str, list[TensorSpec]]], layout: Layout, kept: Mapping[str, Bits], folder: Path
@@ -711,22 +730,34 @@ class ShardedPublisher:
         fps: Mapping[str, int],
         patch_ref: PatchRef | None,
         keyframe_ref: KeyframeRef | None,
-        metadata: dict[str, str],
-    ) -> StoredManifest:
-        """Rank 0 checks the run still ends at the parent, creates the manifest (the commit
-        point) and broadcasts the outcome; every rank returns the committed manifest or
+        snap: _Snap,
+    ) -> tuple[StoredManifest, int]:
+        """Rank 0 checks the run still ends at the parent, uploads the version's new model
+        files, creates the manifest (the commit point) and broadcasts the outcome; every
+        rank returns the committed manifest and the files' bytes uploaded (rank 0's), or
         raises the commit's error."""
         outcome = _Outcome(None, "", "", "")
         failure: BaseException | None = None
         committed: StoredManifest | None = None
+        uploaded = 0
         if self.rank == 0:
             manifest: ManifestV1 | None = None
             try:
                 parent = self._base.stored
                 self._check_parent(parent)
-                files = manifest_files(parent.manifest) if parent is not None else ()  # sticky, as the Publisher's
+                previous = manifest_files(parent.manifest) if parent is not None else ()  # sticky, as the Publisher's
+                files, uploaded = upload_files(self._run, version, previous, snap.files.files)
                 manifest = build_manifest(
-                    self.run, self.writer, version, parent, layout.specs, fps, patch_ref, keyframe_ref, files, metadata
+                    self.run,
+                    self.writer,
+                    version,
+                    parent,
+                    layout.specs,
+                    fps,
+                    patch_ref,
+                    keyframe_ref,
+                    files,
+                    snap.metadata,
                 )
                 self._at("manifest", version)
                 committed = self._run.commit(manifest)
@@ -751,10 +782,10 @@ class ShardedPublisher:
                 raise VersionConflict(f"version {version}: {outcome.error}")
             raise RankFailed(f"the commit of version {version} failed on rank 0 ({outcome.kind}: {outcome.error})")
         if committed is not None:
-            return committed
+            return committed, uploaded
         if outcome.manifest is None:  # pragma: no cover - a committed outcome carries it
             raise InternalError(f"version {version}: committed without a manifest")
-        return StoredManifest(parse_manifest(outcome.manifest), outcome.digest, len(outcome.manifest))
+        return StoredManifest(parse_manifest(outcome.manifest), outcome.digest, len(outcome.manifest)), 0
 
     def _check_parent(self, parent: StoredManifest | None) -> None:
         head = self._run.read_head()
@@ -776,8 +807,8 @@ class ShardedPublisher:
                 f"continues {parent.version if parent else 'none'}: another trainer is publishing to it"
             )
 
-    def _result(self, stored: StoredManifest) -> PublishResult:
-        return publish_result(stored.manifest, stored)
+    def _result(self, stored: StoredManifest, snap: _Snap, uploaded: int) -> PublishResult:
+        return publish_result(stored.manifest, stored, files_uploaded=uploaded, notes=snap.files.notes)
 
 
 def _write_block(fd: int, tensor_start: int, width: int, block: Block, bits: Bits) -> None:

@@ -37,6 +37,7 @@ from patcher.encode import encode
 from patcher.fingerprint import fingerprint
 from patcher.format import TensorInfo, compute_patch_id
 from patcher.patch import Patch, TensorSpec
+from schemas.manifest import manifest_files
 from tests.run.helpers import ToyTrainer, assert_bits_equal
 from tests.run.test_ambiguous_commit import LostCommitResponse
 from tests.run.test_keyframe_upload import Watching
@@ -238,6 +239,37 @@ def test_one_rank_publishes_what_the_publisher_publishes(tmp_path: Path) -> None
     assert sub.sync() == 5
     assert_bits_equal(sub.target.arrays, trainer.served())  # type: ignore[attr-defined]
     sub.close()
+
+
+def test_model_files_go_with_a_version_as_the_publishers_do(tmp_path: Path) -> None:
+    # Given with the first version, kept (sticky), given again with one changed: the same
+    # manifests' files, uploads and notes as the Publisher's (config.json names BF16).
+    trainer = ToyTrainer(seed=5)
+    config = b'{"model_type": "llama", "torch_dtype": "float32"}'
+    given: list[dict[str, bytes] | None] = [
+        {"config.json": config, "tokenizer.json": b"{}"},
+        None,
+        {"config.json": config, "tokenizer.json": b'{"v": 2}'},
+    ]
+    results = []
+    with (
+        ShardedPublisher(tmp_path / "a", "r", keyframe_every=2) as sharded,
+        Publisher(tmp_path / "b", "r", keyframe_every=2, codec="zstd") as plain,
+    ):
+        for files in given:
+            trainer.step(lr=3e-3)
+            sharded.publish(trainer.state, files=files)
+            plain.publish(trainer.state, files=files)
+        results = [sharded.results, plain.results]
+    for version in range(1, 4):
+        ours, theirs = (Run(open_store(tmp_path / s), "r").read_manifest(version).manifest for s in "ab")
+        assert [(f.path, f.sha256, f.size) for f in manifest_files(ours)] == [
+            (f.path, f.sha256, f.size) for f in manifest_files(theirs)
+        ]
+    assert [(r.files, r.files_uploaded, r.notes) for r in results[0]] == [
+        (r.files, r.files_uploaded, r.notes) for r in results[1]
+    ]
+    assert results[0][0].notes and results[0][1].files_uploaded == 0 and results[0][2].files_uploaded == 8
 
 
 def test_bad_input_fails_the_step_and_the_next_one_follows(tmp_path: Path) -> None:

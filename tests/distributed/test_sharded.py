@@ -7,6 +7,7 @@ side, each into its own store, under the same run names.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -22,7 +23,8 @@ from bulletin.run import Run
 from bulletin.signing import TrustPolicy
 from bulletin.storage import open_store
 from schemas.head import HeadV2
-from tests.distributed.worker import SIGNING_SEED
+from schemas.manifest import manifest_files
+from tests.distributed.worker import CONFIG, SIGNING_SEED
 
 pytest.importorskip("torch.distributed")
 pytest.importorskip("transformers")
@@ -117,6 +119,18 @@ def test_rank_0_signs_every_manifest_and_head_of_the_job(stores: dict[int, str])
             run.read_manifest(version)  # UntrustedVersion / Unsigned unless signed by the key
         head = run.read_head()
         assert head is not None and isinstance(head.head, HeadV2) and head.head.version == RUNS["pipeline"]
+
+
+def test_rank_0s_model_files_go_with_the_version_and_stay(stores: dict[int, str], tmp_path: Path) -> None:
+    for world, store in stores.items():
+        run = Run(open_store(store), "pipeline")
+        for version in range(1, RUNS["pipeline"] + 1):
+            assert [f.path for f in manifest_files(run.read_manifest(version).manifest)] == ["config.json"], world
+        sub = Subscriber(store, "pipeline", tmp_path / f"node-{world}")
+        assert sub.sync() == RUNS["pipeline"]
+        config = json.loads((tmp_path / f"node-{world}" / "current" / "config.json").read_bytes())
+        assert config == {**json.loads(CONFIG), "torch_dtype": "bfloat16"}  # names the served dtype
+        sub.close()
 
 
 def test_the_chain_has_keyframes_and_patches(stores: dict[int, str]) -> None:

@@ -191,6 +191,8 @@ def megatron(rank: int, world: int, store: str) -> None:
 #: The trainer's key of the pipeline run: rank 0 alone is given it, and signs the job's
 #: manifests and heads (tests/distributed/test_sharded.py checks them).
 SIGNING_SEED = bytes(range(32))
+#: The pipeline run's model file.
+CONFIG = b'{"model_type": "toy", "torch_dtype": "float32"}'
 
 
 def pipeline(rank: int, world: int, store: str) -> None:
@@ -202,7 +204,9 @@ def pipeline(rank: int, world: int, store: str) -> None:
         }
         if rank == world - 1:
             state["head.weight"] = _full("head.weight", (3, 5), version).to(torch.float64)
-        pub.publish(state)
+        # Rank 0's files go with the version (the other ranks' are ignored); kept after.
+        files = {"config.json": CONFIG} if version == 1 and rank == 0 else {"x.txt": b"ignored"} if rank else None
+        pub.publish(state, files=files)
     pub.close()
 
 
