@@ -109,6 +109,7 @@ __all__ = [
     "PreparedFiles",
     "PublishResult",
     "Publisher",
+    "RunPublisher",
     "build_manifest",
     "prepare_files",
     "publish_result",
@@ -283,7 +284,30 @@ def upload_files(
     return tuple(refs), sum(len(content) for content in items.values())
 
 
-class Publisher:
+class RunPublisher:
+    """What both publishers (this module's and the sharded one) answer from their run and
+    their base of the next diff."""
+
+    _run: Run
+    _base: PublishedBase
+
+    @property
+    def run(self) -> str:
+        return self._run.name
+
+    @property
+    def version(self) -> int | None:
+        """The last version committed (on every rank of a sharded job), or resumed from."""
+        return self._base.version
+
+    @property
+    def cache_dir(self) -> Path:
+        """The folder holding the base of the next diff (a rank's own, for a sharded job;
+        see ``cache_dir=``)."""
+        return self._base.cache_dir
+
+
+class Publisher(RunPublisher):
     """Publishes versions of one run. Not thread-safe: one trainer process, one Publisher."""
 
     def __init__(
@@ -340,20 +364,6 @@ class Publisher:
         self._pending: _Pending | None = None
         self._closed = False
         self.results: list[PublishResult] = []
-
-    @property
-    def run(self) -> str:
-        return self._run.name
-
-    @property
-    def version(self) -> int | None:
-        """The last version this publisher committed or resumed from."""
-        return self._base.version
-
-    @property
-    def cache_dir(self) -> Path:
-        """The folder holding the base of the next diff (see ``cache_dir=``)."""
-        return self._base.cache_dir
 
     # -- public API --------------------------------------------------------------------
 

@@ -58,6 +58,7 @@ from bulletin.publisher import (
     FilesArg,
     PreparedFiles,
     PublishResult,
+    RunPublisher,
     build_manifest,
     prepare_files,
     publish_result,
@@ -175,7 +176,7 @@ class _Outcome:
     kind: str  # "" when committed, else the error's class name
 
 
-class ShardedPublisher:
+class ShardedPublisher(RunPublisher):
     """Publishes one version per step from every rank of a ``torch.distributed`` job.
 
     Construct it on every rank, in the same order relative to other collectives (it
@@ -247,20 +248,6 @@ class ShardedPublisher:
         self.results: list[PublishResult] = []
         self._hook: Callable[[str, int], None] | None = None  # tests: called at each phase
         self._agreed = False  # the current step's failure was met by every rank alike
-
-    @property
-    def run(self) -> str:
-        return self._run.name
-
-    @property
-    def version(self) -> int | None:
-        """The last version committed (known on every rank), or resumed from."""
-        return self._base.version
-
-    @property
-    def cache_dir(self) -> Path:
-        """This rank's folder holding its blocks of the last committed version."""
-        return self._base.cache_dir
 
     # -- public API --------------------------------------------------------------------
 
