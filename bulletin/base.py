@@ -77,7 +77,7 @@ from typing import Any, Final
 import numpy as np
 from numpy.typing import NDArray
 
-from bulletin.blocks import Block, BlockChanges, block_diff, local_indices, part_fingerprint
+from bulletin.blocks import Block, BlockChanges, block_diff, global_indices, local_indices, part_fingerprint
 from bulletin.checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint
 from bulletin.device_kept import DeviceKept
 from bulletin.errors import BulletinError, FingerprintMismatch, FormatError, InternalError
@@ -91,6 +91,7 @@ from bulletin.target import Held
 from patcher.apply import apply, put_bits
 from patcher.decode import decode
 from patcher.fingerprint import fingerprint, format_fingerprint, parse_fingerprint
+from patcher.fingerprint_update import fingerprint_change
 from patcher.fold import fold
 from patcher.patch import Patch, TensorDelta, TensorSpec
 from schemas.manifest import FileRef, ObjectRef, manifest_files
@@ -103,6 +104,7 @@ CACHE_ENV: Final = "BULLETIN_CACHE_DIR"
 STATE_NAME: Final = "state.json"
 LOCK_NAME: Final = ".lock"
 _FOLDER_PREFIX: Final = "base-"
+_MASK64: Final = (1 << 64) - 1
 #: The cache's own format; a state of any other is stale (rebuilt, never an error).
 _CACHE_FORMAT: Final = 1
 #: Threads that fingerprint the folder when it is opened (the compiled loop frees the GIL).
@@ -746,6 +748,34 @@ class PublishedBase:
         host, fp = self._device.keep(name, value)
         self._device_fps[name] = fp
         return host
+
+    def device_changes(self, name: str, value: Any) -> BlockChanges | None:
+        """The change of GPU block ``value`` (the block held of ``name``) from its committed
+        bits, found on its device (which moves on to it: only the change crosses to the
+        host), or None when the device holds nothing for it. Its part of the fingerprint
+        change is hashed with the tensor's own indices here, from the old bits the host
+        holds (O(changed)). The device's bits are the committed ones as long as every
+        step keeps or diffs them (:meth:`device_only`) and a failure drops them
+        (:meth:`reset`)."""
+        if name not in self._device_fps:
+            return None
+        change = self._device.diff(name, value)
+        if change is None:
+            return None
+        local = change.indices
+        was = self.bits(name).reshape(-1)[local]
+        now = was + change.delta  # deltas wrap, as the bits do
+        indices = global_indices(self.blocks[name], local)
+        base = self.parts[name]
+        target = (base + fingerprint_change(indices, was, now)) & _MASK64
+        return BlockChanges(TensorDelta(self.specs[name], indices, change.delta, base, target), local, now)
+
+    def device_only(self, names: set[str]) -> None:
+        """Drop the device's bits of every tensor but ``names`` (those a step diffed or kept
+        on their device): the others' are not the committed bits any more."""
+        for name in [n for n in self._device_fps if n not in names]:
+            self._device.drop(name)
+            del self._device_fps[name]
 
     def reset(self) -> None:
         """After a failure (or at open): the next snapshot is of the version after the

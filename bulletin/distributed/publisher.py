@@ -9,8 +9,9 @@
 Each rank diffs the blocks it owns against its kept bits of the last committed version
 (the :class:`~bulletin.base.PublishedBase` the single-process publisher keeps, holding
 the rank's blocks: memory-mapped in a cache folder per rank, verified against the run
-when the job starts), sends each change (global indices and
-deltas, O(changed)) to the tensor's writer rank, which encodes the tensor's entries;
+when the job starts; a CUDA block of a synchronous publish on its device, where only the
+change leaves the GPU), sends each change (global indices and deltas, O(changed)) to the
+tensor's writer rank, which encodes the tensor's entries;
 the shards are renumbered into one patch, each rank uploads its own, rank 0 creates
 the manifest (the commit point) and broadcasts the outcome; only then does any rank's
 base move. A step that fails on any rank commits nothing anywhere.
@@ -38,6 +39,7 @@ from numpy.typing import NDArray
 from bulletin.base import PublishedBase
 from bulletin.blocks import Block, BlockChanges, block_runs, part_fingerprint
 from bulletin.checkpoint import INDEX_NAME, Checkpoint, encode_safetensors_header, hf_index, plan_checkpoint
+from bulletin.device_kept import on_gpu
 from bulletin.distributed.comm import Comm
 from bulletin.distributed.parts import Layout, RankLayout, plan_layout
 from bulletin.distributed.shards import renumber
@@ -162,6 +164,8 @@ class _Snap:
     #: The blocks' bits: copied when the snapshot was taken (``publish_async``), else
     #: read in place when the step needs them.
     bits: TensorBits = field(default_factory=TensorBits)
+    #: GPU blocks of a synchronous publish: diffed (or kept) on their device at the step.
+    device: dict[str, Any] = field(default_factory=dict)
     #: The version's model files (rank 0's; None keeps the previous version's).
     files: PreparedFiles = field(default_factory=lambda: PreparedFiles(None))
 
@@ -351,6 +355,8 @@ class ShardedPublisher(RunPublisher):
                 source, served = found.source_dtypes[name], found.specs[name].dtype
                 if copy:  # now: the caller may change its tensors once this returns
                     snap.bits.copies[name] = read_served(value, source, served, True)
+                elif on_gpu(value):
+                    snap.device[name] = value
                 else:
                     snap.bits.reads[name] = (value, source, served)
             return snap
@@ -379,6 +385,7 @@ class ShardedPublisher(RunPublisher):
         try:
             result = self._step_once(snap)
         except BaseException as exc:
+            self._base.reset()  # a GPU block diffed or kept on its device holds bits not committed
             # A failure every rank met at the same agreement, in a synchronous publish,
             # leaves every rank at the committed version: the next publish may follow.
             # Anything else (a lost rank, a background step, a commit) breaks it for good.
@@ -485,10 +492,9 @@ class ShardedPublisher(RunPublisher):
             if not self._holds(layout) or base.blocks != owned:  # pragma: no cover - a keyframe step otherwise
                 raise InternalError("the base does not hold this rank's blocks")
             for name in sorted(owned):
-                src, source = snap.bits.source(name, layout.specs[name].dtype)
-                change = changes[name] = base.diff(name, src, source)
-                del src
+                change = changes[name] = self._changes(name, snap, layout.specs[name].dtype)
                 outgoing[layout.writers[name]].append((name, change.delta.indices, change.delta.delta, change.part))
+            base.device_only(set(owned) & set(snap.device))
         except BaseException as exc:
             error = exc
         self._agree(error, "diffing its blocks")
@@ -569,6 +575,18 @@ class ShardedPublisher(RunPublisher):
             deltas[name] = TensorDelta(spec, indices.astype(np.int64, copy=False), delta, base_fps[name], target)
         return deltas
 
+    def _changes(self, name: str, snap: _Snap, served: str) -> BlockChanges:
+        """The change of this rank's block of ``name``: found on its device where the device
+        holds the committed bits (only the change crosses to the host), else on the host
+        (a GPU block's served bits copied over once, and kept on its device from now on)."""
+        base = self._base
+        value = snap.device.get(name)
+        if value is None:
+            src, source = snap.bits.source(name, served)
+            return base.diff(name, src, source)
+        found = base.device_changes(name, value)
+        return found if found is not None else base.diff(name, base.device_keep(name, value))
+
     # -- a keyframe version ----------------------------------------------------------------
 
     def _keyframe_step(self, version: int, layout: Layout, snap: _Snap) -> PublishResult:
@@ -587,11 +605,13 @@ class ShardedPublisher(RunPublisher):
                 specs = {name: TensorSpec(name, layout.specs[name].dtype, b.sizes) for name, b in owned.items()}
                 staged = self._base.stage(specs, _ONE_FILE, blocks=owned, hashed=False)
                 for name in sorted(owned):
-                    bits = snap.bits.take(name)
+                    value = snap.device.get(name)  # a GPU block is kept on its device from now on
+                    bits = snap.bits.take(name) if value is None else self._base.device_keep(name, value)
                     parts[name] = part_fingerprint(owned[name], bits)
                     staged.write(name, bits)
                     del bits
                 staged.finish()
+                self._base.device_only(set(owned) & set(snap.device))
                 written = Checkpoint(staged.folder)  # read back through a map: page cache, not this process's memory
                 kept = {name: written.bits(name) for name in owned}
             except BaseException as exc:

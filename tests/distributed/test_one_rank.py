@@ -7,13 +7,16 @@ from __future__ import annotations
 import itertools
 from math import prod
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import bulletin.distributed.publisher
 from bulletin import Publisher, Subscriber
+from bulletin.base import PublishedBase
 from bulletin.blocks import (
     Block,
     block_diff,
@@ -40,6 +43,12 @@ from patcher.patch import Patch, TensorSpec
 from schemas.manifest import manifest_files
 from tests.run.helpers import ToyTrainer, assert_bits_equal
 from tests.run.test_ambiguous_commit import LostCommitResponse
+from tests.run.test_device_recovery import (  # noqa: F401 - emulated_device: a fixture
+    OnDevice,
+    _on_device,
+    emulated_device,
+    found_on_device,
+)
 from tests.run.test_keyframe_upload import Watching
 
 pytest.importorskip("torch.distributed")
@@ -334,3 +343,46 @@ def test_a_framed_message_arrives_whole_with_its_arrays_aligned(arrays: list[tup
     for (_, ours, _), (_, sent, _) in zip(got, item, strict=True):
         assert ours.dtype == sent.dtype and ours.tobytes() == sent.tobytes()
         assert ours.flags.aligned
+
+
+@pytest.fixture
+def sharded_device(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The emulated GPU (tests/run/test_device_recovery.py) for the sharded publisher too."""
+    request.getfixturevalue("emulated_device")
+    monkeypatch.setattr(bulletin.distributed.publisher, "on_gpu", lambda value: isinstance(value, OnDevice))
+
+
+def test_gpu_blocks_are_diffed_on_their_device(
+    tmp_path: Path, sharded_device: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Synchronous steps diff a GPU block where it lives and bring back only the change;
+    # an asynchronous step (its blocks copied to the host) and a failed one make the
+    # device's bits stale: the step after them diffs on the host and keeps them again.
+    found = found_on_device(monkeypatch, PublishedBase, "device_changes")
+    trainer = ToyTrainer(seed=7)
+    names = sorted(trainer.state)
+    with (
+        ShardedPublisher(tmp_path / "a", "r", keyframe_every=5) as sharded,
+        Publisher(tmp_path / "b", "r", keyframe_every=5, codec="zstd") as plain,
+    ):
+        for step in range(8):
+            trainer.step(lr=3e-3)
+            state: dict[str, Any] = _on_device(trainer.state)
+            state.update({n: LocalShard(state[n], state[n].shape, (0,) * state[n].ndim) for n in names[::2]})
+            if step == 3:
+                sharded.publish_async(state).result()
+            elif step == 5:
+                with pytest.raises(InvalidInput):
+                    sharded.publish({**state, "bad": "not a tensor"})
+                sharded.publish(state)
+            else:
+                sharded.publish(state)
+            plain.publish(_on_device(trainer.state))  # 0-d tensors made 1-d on both
+            if step in (2, 4, 5, 6):  # on the device, but after the async step and the failure
+                assert found[-len(names) :] == [step in {2, 6}] * len(names), (step, found)
+    for version in range(1, 9):
+        ours, theirs = (Run(open_store(tmp_path / s), "r").read_manifest(version).manifest for s in "ab")
+        assert ours.tensors == theirs.tensors
+    with Subscriber(tmp_path / "a", "r") as sub:
+        assert sub.sync() == 8
+        assert_bits_equal(sub.target.arrays, trainer.served())  # type: ignore[attr-defined]

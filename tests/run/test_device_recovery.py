@@ -22,6 +22,7 @@ import pytest
 
 import bulletin.snapshot
 from bulletin import Publisher, Subscriber
+from bulletin.device_kept import DeviceKept
 from bulletin.errors import InvalidInput, StorageUnavailable, VersionConflict
 from bulletin.maintenance import verify
 from bulletin.run import Run
@@ -46,6 +47,33 @@ def emulated_device(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 def _on_device(state: dict[str, np.ndarray]) -> dict[str, Any]:
     return {name: np.ascontiguousarray(w).view(OnDevice) for name, w in state.items()}
+
+
+def found_on_device(monkeypatch: pytest.MonkeyPatch, owner: type, method: str) -> list[bool]:
+    """Whether each call of ``owner.method`` (a device diff) found a change, in order."""
+    found: list[bool] = []
+    real = getattr(owner, method)
+
+    def counted(self: Any, name: str, value: Any) -> Any:
+        change = real(self, name, value)
+        found.append(change is not None)
+        return change
+
+    monkeypatch.setattr(owner, method, counted)
+    return found
+
+
+@pytest.mark.usefixtures("emulated_device")
+def test_the_emulated_device_is_the_device_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # What the tests here rely on: a patch version's tensors are diffed by the device's
+    # kept bits (DeviceKept.diff finds their changes), not read to the host.
+    found = found_on_device(monkeypatch, DeviceKept, "diff")
+    trainer = ToyTrainer(seed=60)
+    with Publisher(str(tmp_path), "run", keyframe_every=4) as pub:
+        pub.publish(_on_device(trainer.state))
+        trainer.step()
+        pub.publish(_on_device(trainer.state))
+    assert found == [True] * len(trainer.state)
 
 
 class FailingUploads(LostCommitResponse):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 import numpy as np
 import pytest
@@ -21,6 +22,12 @@ pytestmark = [
 ]
 
 
+def _pair(publisher: Any) -> tuple[tuple[str, str], tuple[Any, Any]]:
+    """Two memory stores and a publisher of each: the CPU's and the GPU's."""
+    urls = (f"memory://{uuid.uuid4().hex}", f"memory://{uuid.uuid4().hex}")
+    return urls, (publisher(urls[0], "run", keyframe_every=3), publisher(urls[1], "run", keyframe_every=3))
+
+
 def test_cuda_tensors_publish_the_same_bytes_as_cpu_tensors() -> None:
     torch.manual_seed(0)
     masters = {
@@ -29,9 +36,7 @@ def test_cuda_tensors_publish_the_same_bytes_as_cpu_tensors() -> None:
         "e": (torch.randn(300, 64) * 0.02).to(torch.bfloat16),
         "n": torch.arange(7),
     }
-    cpu_url, gpu_url = f"memory://{uuid.uuid4().hex}", f"memory://{uuid.uuid4().hex}"
-    cpu = Publisher(cpu_url, "run", keyframe_every=3)
-    gpu = Publisher(gpu_url, "run", keyframe_every=3)
+    (cpu_url, gpu_url), (cpu, gpu) = _pair(Publisher)
     for step in range(7):
         if step:
             for tensor in masters.values():
@@ -54,3 +59,26 @@ def test_cuda_tensors_publish_the_same_bytes_as_cpu_tensors() -> None:
         want = t.to(torch.bfloat16) if t.is_floating_point() else t
         width = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}[want.element_size()]
         assert np.array_equal(target.arrays[name], want.contiguous().view(width).numpy()), name
+
+
+def test_cuda_blocks_of_a_sharded_job_publish_the_bytes_of_cpu_blocks() -> None:
+    # One rank (no process group): each tensor one LocalShard block on the GPU,
+    # diffed there (bulletin.base.PublishedBase.device_changes), against the same blocks
+    # on the CPU: the same manifests' tensors and patch entries.
+    from bulletin.distributed import LocalShard, ShardedPublisher
+
+    torch.manual_seed(1)
+    masters = {"w": torch.randn(1024, 513) * 0.02, "b": torch.randn(513) * 0.02}
+    (cpu_url, gpu_url), (cpu, gpu) = _pair(ShardedPublisher)
+    for step in range(6):
+        if step:
+            for tensor in masters.values():
+                tensor.add_(1e-4 * torch.randn(tensor.shape))
+        for pub, device in ((cpu, "cpu"), (gpu, "cuda")):
+            pub.publish({n: LocalShard(t.to(device), tuple(t.shape), (0,) * t.ndim) for n, t in masters.items()})
+    cpu.close()
+    gpu.close()
+    a, b = Run(open_store(cpu_url), "run"), Run(open_store(gpu_url), "run")
+    for version in range(1, 7):
+        ma, mb = a.read_manifest(version).manifest, b.read_manifest(version).manifest
+        assert ma.tensors == mb.tensors and (ma.patch is None) == (mb.patch is None)
