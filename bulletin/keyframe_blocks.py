@@ -26,7 +26,13 @@ from pathlib import Path
 from typing import Any, Final
 
 from bulletin.blocks import Block, block_runs
-from bulletin.checkpoint import INDEX_NAME, MAX_HEADER_BYTES, encode_safetensors_header, parse_safetensors_header
+from bulletin.checkpoint import (
+    INDEX_NAME,
+    MAX_HEADER_BYTES,
+    SafetensorsHeader,
+    encode_safetensors_header,
+    parse_safetensors_header,
+)
 from bulletin.errors import DigestMismatch, FormatError
 from bulletin.fileio import os_errors, pwrite_all
 from bulletin.run import sha256_hex
@@ -77,7 +83,7 @@ def _reads(begin: int, block: Block, itemsize: int, out: int) -> Iterator[_Read]
         k = end
 
 
-def _header(store: Store, key: str, obj: ObjectRef) -> Any:
+def _header(store: Store, key: str, obj: ObjectRef) -> SafetensorsHeader:
     """The parsed safetensors header of keyframe file ``obj``, read by two ranges."""
     head = store.get_range(key, 0, 8)
     if len(head) < 8:
