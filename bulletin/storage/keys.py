@@ -150,10 +150,8 @@ def check_max_bytes(max_bytes: object) -> int | None:
 
 def check_range(start: object, stop: object) -> tuple[int, int]:
     """Return the bounds of a ranged read: ints with ``0 <= start < stop``."""
-    for name, value in (("start", start), ("stop", stop)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise InvalidInput(f"{name} must be an int, got {value!r}")
-    assert isinstance(start, int) and isinstance(stop, int)
+    if isinstance(start, bool) or isinstance(stop, bool) or not isinstance(start, int) or not isinstance(stop, int):
+        raise InvalidInput(f"a range's start and stop must be ints, got {start!r} and {stop!r}")
     if not 0 <= start < stop:
         raise InvalidInput(f"a range needs 0 <= start < stop, got [{start}, {stop})")
     return start, stop
