@@ -77,7 +77,7 @@ from typing import Any, Final
 import numpy as np
 from numpy.typing import NDArray
 
-from bulletin.blocks import Block, BlockChanges, block_diff, global_indices, local_indices, part_fingerprint
+from bulletin.blocks import Block, BlockChanges, block_changes, block_diff, local_indices, part_fingerprint
 from bulletin.checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint
 from bulletin.device_kept import DeviceKept
 from bulletin.errors import BulletinError, FingerprintMismatch, FormatError, InternalError
@@ -91,7 +91,6 @@ from bulletin.target import Held
 from patcher.apply import apply, put_bits
 from patcher.decode import decode
 from patcher.fingerprint import fingerprint, format_fingerprint, parse_fingerprint
-from patcher.fingerprint_update import fingerprint_change
 from patcher.fold import fold
 from patcher.patch import Patch, TensorDelta, TensorSpec
 from schemas.manifest import FileRef, ObjectRef, manifest_files
@@ -104,7 +103,6 @@ CACHE_ENV: Final = "BULLETIN_CACHE_DIR"
 STATE_NAME: Final = "state.json"
 LOCK_NAME: Final = ".lock"
 _FOLDER_PREFIX: Final = "base-"
-_MASK64: Final = (1 << 64) - 1
 #: The cache's own format; a state of any other is stale (rebuilt, never an error).
 _CACHE_FORMAT: Final = 1
 #: Threads that fingerprint the folder when it is opened (the compiled loop frees the GIL).
@@ -183,6 +181,11 @@ def _read_state(path: Path) -> _State | None:
         return _State(int(raw["version"]), str(raw["manifest_digest"]), folder, fps, parts, blocks)
     except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError, BulletinError):
         return None
+
+
+def _whole(blocks: Mapping[str, Block], specs: Mapping[str, TensorSpec]) -> bool:
+    """Whether ``blocks`` are every tensor of ``specs``, each whole (a Publisher's base)."""
+    return set(blocks) == set(specs) and all(b.is_whole for b in blocks.values())
 
 
 def _cut(blocks: Mapping[str, Block]) -> dict[str, Block]:
@@ -426,16 +429,6 @@ class PublishedBase:
         self._sweep()
         self.reset()
 
-    @property
-    def whole_blocks(self) -> bool:
-        """Whether every block held is a whole tensor."""
-        return all(b.is_whole for b in self.blocks.values())
-
-    @property
-    def whole(self) -> bool:
-        """Whether the base holds every tensor of its version whole."""
-        return set(self.blocks) == set(self.specs) and self.whole_blocks
-
     def _hash_parts(self, ckpt: Checkpoint) -> dict[str, int]:
         """Each block's part of its tensor's fingerprint, from the folder mapped."""
         names = list(ckpt)
@@ -471,7 +464,7 @@ class PublishedBase:
         if found == state.parts:
             self.parts = found
             return Held(state.version, dict(state.fingerprints), state.manifest_digest)
-        if set(found) == set(tip.manifest.specs) and self.whole_blocks and found == dict(tip.manifest.fingerprints):
+        if _whole(self.blocks, tip.manifest.specs) and found == dict(tip.manifest.fingerprints):
             self.parts = found
             return Held(tip.version, found, tip.digest)
         wrong = sorted(name for name in found if found[name] != state.parts.get(name))
@@ -489,7 +482,7 @@ class PublishedBase:
         """Bring the folder to ``tip``: patches from ``held`` when the run leads from it,
         else the newest keyframe at or below ``tip`` and the patches after it."""
         route = plan(self._run, tip, held if self._ckpt is not None else None)
-        whole = set(wanted) == set(tip.manifest.specs) and all(b.is_whole for b in wanted.values())
+        whole = _whole(wanted, tip.manifest.specs)
         if route.keyframe is not None:
             self._stop_privatizing()  # the folder goes
             self._unmap()
@@ -646,7 +639,7 @@ class PublishedBase:
                 )
             if self._folder is None:  # pragma: no cover - a version held is in a folder
                 raise InternalError(f"version {stored.version} committed onto a base in no folder")
-            if parts is None and not (set(self.blocks) == set(stored.manifest.specs) and self.whole_blocks):
+            if parts is None and not _whole(self.blocks, stored.manifest.specs):
                 raise InternalError(f"version {stored.version}: blocks committed without their parts")
             self.parts = dict(parts) if parts is not None else dict(stored.manifest.fingerprints)
             self.stored = stored
@@ -762,13 +755,8 @@ class PublishedBase:
         change = self._device.diff(name, value)
         if change is None:
             return None
-        local = change.indices
-        was = self.bits(name).reshape(-1)[local]
-        now = was + change.delta  # deltas wrap, as the bits do
-        indices = global_indices(self.blocks[name], local)
-        base = self.parts[name]
-        target = (base + fingerprint_change(indices, was, now)) & _MASK64
-        return BlockChanges(TensorDelta(self.specs[name], indices, change.delta, base, target), local, now)
+        was = self.bits(name).reshape(-1)[change.indices]
+        return block_changes(self.specs[name], self.blocks[name], change.indices, was, change.delta, self.parts[name])
 
     def device_only(self, names: set[str]) -> None:
         """Drop the device's bits of every tensor but ``names`` (those a step diffed or kept

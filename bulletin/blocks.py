@@ -28,6 +28,7 @@ from patcher.patch import TensorDelta, TensorSpec
 __all__ = [
     "Block",
     "BlockChanges",
+    "block_changes",
     "block_diff",
     "block_runs",
     "block_slices",
@@ -206,8 +207,24 @@ def block_diff(
     # A run of the tensor (a whole tensor, a Shard(0) block): the diff hashes each index
     # at its place in the tensor as it goes. Else from the global indices.
     (local, was, delta), part = cast_changes(old, src, source, spec.dtype, first=start or 0)
+    return block_changes(spec, block, local, was, delta, base_part, part=None if start is None else part)
+
+
+def block_changes(
+    spec: TensorSpec,
+    block: Block,
+    local: NDArray[np.int64],
+    was: NDArray[np.unsignedinteger],
+    delta: NDArray[np.unsignedinteger],
+    base_part: int,
+    *,
+    part: int | None = None,
+) -> BlockChanges:
+    """The change of ``block`` from its changed indices in the block (``local``), the old
+    bits there and the deltas: ``part``, its part of the fingerprint change, where the diff
+    hashed it already, else hashed here with the tensor's indices (O(changed))."""
     indices = global_indices(block, local)
     now = was + delta  # deltas wrap, as the bits do: what the base takes once committed
-    if start is None:
+    if part is None:
         part = fingerprint_change(indices, was, now)
     return BlockChanges(TensorDelta(spec, indices, delta, base_part, (base_part + part) & _MASK64), local, now)

@@ -514,6 +514,11 @@ class Publisher(RunPublisher):
 
     # -- internals ---------------------------------------------------------------------
 
+    @property
+    def _ranked(self) -> bool:
+        """Whether diffs rank their changes as they go (the codec may be the context one)."""
+        return self.codec in (AUTO_CODEC, CONTEXT_CODEC)
+
     def _check_open(self) -> None:
         if self._closed:
             raise InvalidInput("this Publisher is closed")
@@ -548,8 +553,9 @@ class Publisher(RunPublisher):
         self._ready()
         full = (self._base.next_version - 1) % self.keyframe_every == 0
         try:
-            ranked = self.codec in (AUTO_CODEC, CONTEXT_CODEC)
-            return take_snapshot(state_dict, dtype=self.dtype, base=self._base, full=full, copy=copy, ranked=ranked)
+            return take_snapshot(
+                state_dict, dtype=self.dtype, base=self._base, full=full, copy=copy, ranked=self._ranked
+            )
         except BaseException:
             self._failed = True  # tensors diffed before a failure moved the device's bits on
             raise
@@ -709,16 +715,15 @@ class Publisher(RunPublisher):
                     raise InternalError(f"{name}: diffed when taken against bits that are not the base")
                 deltas[name], fps[name] = delta, delta.target_fingerprint
                 continue
-            ranked = self.codec in (AUTO_CODEC, CONTEXT_CODEC)
             if staged is None:  # a patch alone: an F32 source is cast inside the diff
                 src, source = snap.bits.source(name, snap.specs[name].dtype)
-                delta = base.diff(name, src, source, ranked=ranked).delta
+                delta = base.diff(name, src, source, ranked=self._ranked).delta
                 deltas[name], fps[name] = delta, delta.target_fingerprint
                 del src
                 continue
             bits = snap.bits.take(name)
             if same_layout:
-                delta = base.diff(name, bits, ranked=ranked).delta
+                delta = base.diff(name, bits, ranked=self._ranked).delta
                 deltas[name], fps[name] = delta, delta.target_fingerprint
             else:
                 fps[name] = fingerprint(bits)

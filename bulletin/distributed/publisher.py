@@ -82,7 +82,6 @@ from schemas.manifest import (
     ObjectRef,
     PatchRef,
     check_metadata,
-    manifest_files,
     parse_manifest,
 )
 
@@ -642,15 +641,13 @@ class ShardedPublisher(RunPublisher):
             keyframe_ref = KeyframeRef(prefix=prefix, files=ordered)
             stored, uploaded = self._commit(version, layout, fps, None, keyframe_ref, snap)
         except BaseException:
-            kept = {}
-            if written is not None:
-                written.close()
             if staged is not None:
                 staged.discard()
             raise
-        kept = {}
-        if written is not None:
-            written.close()
+        finally:
+            kept = {}  # views of the map, closed now
+            if written is not None:
+                written.close()
         self._base.advance(stored, staged=staged, parts=parts)
         self._owners = layout.owners
         self._at("advanced", version)
@@ -752,8 +749,7 @@ class ShardedPublisher(RunPublisher):
             try:
                 parent = self._base.stored
                 self._check_parent(parent)
-                previous = manifest_files(parent.manifest) if parent is not None else ()  # sticky, as the Publisher's
-                files, uploaded = upload_files(self._run, version, previous, snap.files.files)
+                files, uploaded = upload_files(self._run, version, self._base.files, snap.files.files)  # sticky
                 manifest = build_manifest(
                     self.run,
                     self.writer,
