@@ -166,8 +166,8 @@ def layout(state_dict: Mapping[str, Any], dtype: str) -> Layout:
         kind = _kind(value)
         if not kind:
             raise InvalidInput(f"{name}: expected a torch tensor, NumPy or CuPy array, got {type(value).__name__}")
-        if kind == "numpy" and not on_gpu(value):  # on_gpu: an emulated device's arrays kept as they are
-            value = np.asarray(value)
+        if kind == "numpy" and not isinstance(value, np.ndarray):
+            value = np.asarray(value)  # a NumPy scalar; an array (a memmap, ...) stays what it is
         source = dtype_name(value)
         served = source
         if source in FLOAT_DTYPES and source != dtype:
