@@ -48,6 +48,14 @@ class Layout:
     def written(self, rank: int) -> list[str]:
         return sorted(name for name, writer in self.writers.items() if writer == rank)
 
+    def single_owner(self) -> int | None:
+        """The rank that owns every tensor whole (a one-rank job's), if one does: it then
+        writes the whole keyframe from its own files."""
+        ranks = {owner for parts in self.owners.values() for owner, _ in parts}
+        if len(ranks) != 1 or any(len(parts) != 1 for parts in self.owners.values()):
+            return None
+        return ranks.pop()
+
 
 def plan_layout(ranks: Sequence[RankLayout]) -> Layout:
     """The job's layout from every rank's (in rank order); ``IncompatibleLayout`` when

@@ -225,7 +225,7 @@ def test_writers_shards_renumbered_are_one_patch() -> None:
 def test_one_rank_publishes_what_the_publisher_publishes(tmp_path: Path) -> None:
     trainer = ToyTrainer(seed=3)
     sharded = ShardedPublisher(tmp_path / "a", "r", keyframe_every=3, keyframe_file_bytes=1 << 12)
-    plain = Publisher(tmp_path / "b", "r", keyframe_every=3, codec="zstd")
+    plain = Publisher(tmp_path / "b", "r", keyframe_every=3, codec="zstd", keyframe_file_bytes=1 << 12)
     names = sorted(trainer.state)
     for step in range(5):
         trainer.step(lr=3e-3)
@@ -244,6 +244,10 @@ def test_one_rank_publishes_what_the_publisher_publishes(tmp_path: Path) -> None
     for version in range(1, 6):
         ours, theirs = (Run(open_store(tmp_path / s), "r").read_manifest(version).manifest for s in "ab")
         assert ours.tensors == theirs.tensors and (ours.keyframe is None) == (theirs.keyframe is None)
+        # One step, one rank: the same objects, byte for byte (a keyframe's prefix names its writer).
+        assert ours.patch == theirs.patch and (ours.patch is None) == (version == 1)
+        files = [[(f.size, f.sha256) for f in m.keyframe.files] if m.keyframe else None for m in (ours, theirs)]
+        assert files[0] == files[1]
     sub = Subscriber(tmp_path / "a", "r")
     assert sub.sync() == 5
     assert_bits_equal(sub.target.arrays, trainer.served())  # type: ignore[attr-defined]

@@ -113,9 +113,10 @@ def fsdp(rank: int, world: int, store: str) -> None:
 
 
 def _damage(cache: Path) -> None:
-    """Flip the last byte of the folder the cache's state names (a bit of its last block)."""
+    """Flip the last byte of the folder the cache's state names (a bit of its last block:
+    one file of a rank's blocks, or a one-rank job's keyframe files)."""
     folder = cache / json.loads((cache / "state.json").read_bytes())["folder"]
-    (data,) = folder.glob("*.safetensors")
+    data = sorted(folder.glob("*.safetensors"))[-1]
     raw = bytearray(data.read_bytes())
     raw[-1] ^= 0x01
     data.write_bytes(bytes(raw))

@@ -30,7 +30,6 @@ from bulletin import Publisher
 from bulletin.run import StoredManifest
 from bulletin.storage import Store, WriteResult, open_store
 from bulletin.storage.wrapper import WrapperStore
-from patcher.patch import Patch
 from tests.run.helpers import ToyTrainer
 
 
@@ -77,25 +76,20 @@ def _die() -> None:
 
 def crash_in_base(store: CrashingStore) -> None:
     """Arm the ``base`` and ``state`` points: wrap what the base writes after a commit."""
-    real_apply = bulletin.base.apply
+    real_put = bulletin.base.put_bits
     real_state = bulletin.base.PublishedBase._write_state
 
-    def apply(patch: Patch, tensors: Any, fingerprints: Any, **kwargs: Any) -> dict[str, int]:
-        if store.armed and store.crash_at == "base":
-            changed = [name for name in sorted(patch.tensors) if patch.tensors[name].changed]
-            for name in changed[: max(1, len(changed) // 2)]:  # some tensors written, then killed
-                delta = patch.tensors[name]
-                flat = tensors[name].reshape(-1)
-                flat[delta.indices] += delta.delta
+    def put_bits(flat: Any, local: Any, now: Any) -> None:
+        real_put(flat, local, now)
+        if store.armed and store.crash_at == "base" and len(local):  # a tensor's changes written, then killed
             _die()
-        return real_apply(patch, tensors, fingerprints, **kwargs)
 
     def write_state(base: Any, stored: StoredManifest, folder: str, fingerprints: Any) -> None:
         if store.armed and store.crash_at == "state":
             _die()
         real_state(base, stored, folder, fingerprints)
 
-    bulletin.base.apply = apply  # type: ignore[assignment]
+    bulletin.base.put_bits = put_bits  # type: ignore[attr-defined,assignment]
     bulletin.base.PublishedBase._write_state = write_state  # type: ignore[method-assign]
 
 
