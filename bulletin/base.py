@@ -77,13 +77,14 @@ from typing import Any, Final
 import numpy as np
 from numpy.typing import NDArray
 
-from bulletin.blocks import Block, BlockChanges, block_changes, block_diff, local_indices, part_fingerprint
+from bulletin.blocks import Block, BlockChanges, block_changes, block_diff, part_fingerprint
 from bulletin.checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint
 from bulletin.device_kept import DeviceKept
 from bulletin.errors import BulletinError, FingerprintMismatch, FormatError, InternalError
 from bulletin.fileio import os_errors, write_atomic
 from bulletin.keyframe_blocks import read_blocks
 from bulletin.keyframe_stage import StagedKeyframe
+from bulletin.patch_blocks import apply_to_blocks
 from bulletin.run import Run, StoredManifest
 from bulletin.shared_files import Privatizer, make_private, remove_temps, shared_files
 from bulletin.sync import plan
@@ -503,16 +504,20 @@ class PublishedBase:
             ref = step.manifest.patch
             if ref is None:  # pragma: no cover - plan routes only through patches
                 raise InternalError(f"version {step.version} has no patch")
-            shards = self._run.download(ref.shards)
             writable = {name: ckpt.bits(name) for name in ckpt}
-            if not whole:  # the blocks take their part of each change; checked across ranks
-                change = decode(shards, specs=step.manifest.specs)
-                for name, block in self.blocks.items():
-                    td = change.tensors[name]
-                    inside, local = local_indices(block, td.indices)
-                    flat = writable[name].reshape(-1)
-                    flat[local] += td.delta[inside]
+            if not whole:  # the blocks' part of each change, from the shards holding one; checked across ranks
+                read = apply_to_blocks(
+                    self._run, ref, step.manifest.specs, self.blocks, writable, workers=min(8, self._run.max_workers)
+                )
+                log.debug(
+                    "%s: version %d: %d of %d shards hold changes of the blocks",
+                    self._run.name,
+                    step.version,
+                    read,
+                    len(ref.shards),
+                )
                 continue
+            shards = self._run.download(ref.shards)
             change = decode(shards, specs=step.manifest.specs, base=writable, base_fingerprints=fps)
             del shards
             fps = apply(change, writable, fps)

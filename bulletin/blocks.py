@@ -32,6 +32,7 @@ __all__ = [
     "block_diff",
     "block_runs",
     "block_slices",
+    "block_span",
     "contiguous_start",
     "global_indices",
     "local_indices",
@@ -85,6 +86,17 @@ def contiguous_start(block: Block) -> int | None:
     if cut and any(block.sizes[d] != 1 for d in range(cut[-1])):
         return None
     return sum(o * prod(block.shape[d + 1 :]) for d, o in enumerate(block.offsets))
+
+
+def block_span(block: Block) -> tuple[int, int]:
+    """The whole tensor's flat indices ``[first, last + 1)`` the block's elements lie
+    within (every one of them, and for a block that is not one run, others between)."""
+    if block.numel == 0:
+        return 0, 0
+    strides = [prod(block.shape[d + 1 :]) for d in range(len(block.shape))]
+    first = sum(o * st for o, st in zip(block.offsets, strides, strict=True))
+    last = sum((o + n - 1) * st for o, n, st in zip(block.offsets, block.sizes, strides, strict=True))
+    return first, last + 1
 
 
 def global_indices(block: Block, local: NDArray[np.int64]) -> NDArray[np.int64]:

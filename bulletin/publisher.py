@@ -935,11 +935,10 @@ class Publisher:
                     del bits
                 if snap.version is None:
                     self._base.device_only(set(owned) & set(snap.device))
-                if single is None:
+                if single != self.rank:
                     staged.finish()
-                    written = Checkpoint(
-                        staged.folder
-                    )  # read back through a map: page cache, not this process's memory
+                    # Read back through a map: page cache, not this process's memory.
+                    written = Checkpoint(staged.folder)
                     kept = {name: written.bits(name) for name in owned}
             except BaseException as exc:
                 error = exc
@@ -1000,8 +999,6 @@ class Publisher:
         prefix = keyframe_prefix(version, self.writer, token)
         try:
             error = write_keyframe_files(self._comm, files, layout, kept, folder)
-            self._at("exchanged", version)
-            self._at("encoded", version)
             if error is None:
                 try:
                     for index, (file_name, _) in enumerate(files):
@@ -1020,6 +1017,7 @@ class Publisher:
         return KeyframeRef(prefix=prefix, files=ordered)
 
     def _put_path(self, key: str, path: Path) -> ObjectRef:
+        """Upload one of a rank's keyframe files, hashed first."""
         with open(path, "rb") as fh:
             digest = hashlib.file_digest(fh, "sha256").hexdigest()
         file = KeyframeFile(path.name, path, path.stat().st_size, digest)

@@ -21,6 +21,7 @@ from bulletin.blocks import (
     Block,
     block_diff,
     block_runs,
+    block_span,
     contiguous_start,
     global_indices,
     local_indices,
@@ -108,6 +109,8 @@ def test_global_indices_of_any_block_are_its_elements(shape: tuple[int, ...]) ->
         want = flat[tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))].reshape(-1)
         local = np.arange(block.numel, dtype=np.int64)
         assert global_indices(block, local).tolist() == want.tolist(), block
+        # The span a patch reader tests entries against: from its first element to its last.
+        assert block_span(block) == ((int(want[0]), int(want[-1]) + 1) if block.numel else (0, 0)), block
         start = contiguous_start(block)
         starts, run = block_runs(block)
         if start is not None and block.numel:

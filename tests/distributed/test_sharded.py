@@ -31,7 +31,7 @@ pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[2]
 WORLDS = (1, 2, 4)
-RUNS = {"fsdp": 8, "megatron": 5, "pipeline": 4, "reshard": 4}
+RUNS = {"fsdp": 8, "megatron": 6, "pipeline": 4, "reshard": 4}
 
 
 def launch(world: int, folder: Path) -> list[subprocess.Popen[bytes]]:

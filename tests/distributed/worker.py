@@ -14,7 +14,8 @@ world size by tests/distributed/test_sharded.py).
   With one rank the plain :class:`bulletin.Publisher` publishes the same steps to
   ``fsdp-single``.
 - ``megatron``: column-parallel (dim 0) and row-parallel (dim 1) blocks as
-  :class:`~bulletin.distributed.LocalShard`, a replicated bias.
+  :class:`~bulletin.distributed.LocalShard`, a replicated bias; two commits (a patch and
+  a keyframe) whose responses rank 0 loses, each settled by the next publish.
 - ``pipeline``: stage r holds layers r, r + W, ...: whole tensors, different per rank.
 """
 
@@ -173,9 +174,20 @@ def _refused(pub: ShardedPublisher, rank: int, world: int) -> None:
 
 
 def megatron(rank: int, world: int, store: str) -> None:
-    pub = ShardedPublisher(store, "megatron", keyframe_every=3, timeout_s=60)
+    """Column and row splits. Rank 0's commits of versions 2 (a patch) and 4 (a keyframe)
+    land but their responses are lost: the step fails on every rank, and the next
+    publish settles it (rank 0 commits the same manifest again and finds it; every rank
+    advances its base with what it kept of that step) before its own version."""
+    from bulletin.errors import RankFailed, StorageUnavailable
+    from bulletin.storage import open_store
+    from tests.run.test_ambiguous_commit import LostCommitResponse
+
+    lossy = LostCommitResponse(open_store(store))
+    pub = ShardedPublisher(lossy if rank == 0 else store, "megatron", keyframe_every=3, timeout_s=60)
     _refused(pub, rank, world)
-    for version in range(1, 6):
+    for version in range(1, 7):
+        if version in (3, 5):  # the version before landed; this publish settles it first
+            assert pub.version == version - 2, (rank, pub.version)
         up = _full("mlp.up.weight", (24, 10), version)
         down = _full("mlp.down.weight", (10, 24), version)
         bias = _full("mlp.down.bias", (10,), version)
@@ -185,7 +197,16 @@ def megatron(rank: int, world: int, store: str) -> None:
             "mlp.down.weight": LocalShard(down[:, o0 : o0 + n0].contiguous(), (10, 24), (0, o0)),
             "mlp.down.bias": bias,  # replicated: published once
         }
-        pub.publish(state)
+        if version in (2, 4):
+            lossy.arm(reads=1)  # the manifest lands; its response and the read-back are lost
+            try:
+                pub.publish(state)
+            except (StorageUnavailable, RankFailed) as exc:
+                assert isinstance(exc, StorageUnavailable if rank == 0 else RankFailed), exc
+            else:
+                raise AssertionError("a commit whose response was lost returned")
+            continue
+        assert pub.publish(state) == version
     pub.close()
 
 

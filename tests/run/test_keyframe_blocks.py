@@ -5,6 +5,7 @@ split, and refuses a keyframe file whose header does not hold its manifest's ten
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -15,21 +16,21 @@ from bulletin.blocks import Block, block_slices, part_fingerprint
 from bulletin.errors import FormatError
 from bulletin.keyframe_blocks import GAP_BYTES, READ_BYTES, _reads
 from bulletin.run import Run, StoredManifest
-from bulletin.storage import open_store
-from bulletin.storage.wrapper import CountingStore
+from bulletin.storage import ObjectData, Store, open_store
+from bulletin.storage.wrapper import CountingStore, WrapperStore
 from patcher.cast import cast_bits
 
 SHAPES = {"a": (256, 96), "b": (5, 6, 40), "c": (1000,), "d": (3, 4)}
 
 
-def _run(tmp_path: Path, versions: int) -> tuple[str, dict[str, np.ndarray]]:
+def _run(tmp_path: Path, versions: int, **options: Any) -> tuple[str, dict[str, np.ndarray]]:
     """A run of ``versions`` (a keyframe in several files and an index, then patches),
     and the served bits of its last version."""
     url = str(tmp_path / "store")
     rng = np.random.default_rng(0)
     values = {n: rng.standard_normal(s).astype(np.float32) for n, s in SHAPES.items()}
     served: dict[str, np.ndarray] = {}
-    with Publisher(url, "run", keyframe_file_bytes=16 << 10, cache_dir=tmp_path / "writer") as pub:
+    with Publisher(url, "run", keyframe_file_bytes=16 << 10, cache_dir=tmp_path / "writer", **options) as pub:
         for _ in range(versions):
             pub.publish(values)
             served = {n: cast_bits(v.view(np.uint32), "F32", "BF16").reshape(v.shape) for n, v in values.items()}
@@ -128,3 +129,39 @@ def test_a_keyframe_file_whose_header_lies_is_refused_and_nothing_is_kept(tmp_pa
     with pytest.raises(FormatError, match="otherwise than its manifest"):
         _open(tmp_path, url, _blocks(0), 0)
     assert not [p for p in (tmp_path / "ranks" / "rank-0").glob("base-*")]
+
+
+class Downloads(WrapperStore):
+    """Records the keys of whole objects read."""
+
+    def __init__(self, inner: Store) -> None:
+        super().__init__(inner)
+        self.keys: list[str] = []
+
+    def get(self, key: str, *, max_bytes: int | None = None) -> ObjectData:
+        self.keys.append(key)
+        return super().get(key, max_bytes=max_bytes)
+
+
+def test_a_rebuilt_rank_downloads_only_the_patch_shards_that_change_its_blocks(tmp_path: Path) -> None:
+    # Shards of 1 KiB: each patch is many, each holding a few tensors' entries (by name).
+    url, served = _run(tmp_path, 3, codec="zstd", max_shard_bytes=1 << 10)
+    store = Downloads(open_store(url))
+    run = Run(store, "run")
+    tip = run.tip()
+    assert isinstance(tip, StoredManifest)
+    patches = [run.read_manifest(v).manifest.patch for v in (2, 3)]
+    shards = {run.key(obj.key) for ref in patches if ref is not None for obj in ref.shards}
+    # A pipeline stage's whole tensor and an FSDP rank's first rows of another.
+    blocks = {"d": Block(SHAPES["d"], (0, 0), SHAPES["d"]), "a": Block(SHAPES["a"], (0, 0), (64, SHAPES["a"][1]))}
+    base = PublishedBase(run, "BF16", tmp_path / "ranks", subfolder="rank-0")
+    try:
+        base.open(tip, blocks)
+        for name, block in blocks.items():
+            want = np.ascontiguousarray(served[name][block_slices(block)])
+            np.testing.assert_array_equal(base.bits(name), want)
+            assert base.parts[name] == part_fingerprint(block, want)
+    finally:
+        base.close()
+    read = shards & set(store.keys)
+    assert len(shards) > 8 and 0 < len(read) < len(shards) / 2, (len(read), len(shards))
