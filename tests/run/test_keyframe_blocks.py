@@ -16,9 +16,10 @@ from bulletin.blocks import Block, block_slices, part_fingerprint
 from bulletin.errors import FormatError
 from bulletin.keyframe_blocks import GAP_BYTES, READ_BYTES, _reads
 from bulletin.run import Run, StoredManifest
-from bulletin.storage import ObjectData, Store, open_store
-from bulletin.storage.wrapper import CountingStore, WrapperStore
+from bulletin.storage import open_store
+from bulletin.storage.wrapper import CountingStore
 from patcher.cast import cast_bits
+from tests.run.test_publisher_base import ReadLog
 
 SHAPES = {"a": (256, 96), "b": (5, 6, 40), "c": (1000,), "d": (3, 4)}
 
@@ -131,22 +132,10 @@ def test_a_keyframe_file_whose_header_lies_is_refused_and_nothing_is_kept(tmp_pa
     assert not [p for p in (tmp_path / "ranks" / "rank-0").glob("base-*")]
 
 
-class Downloads(WrapperStore):
-    """Records the keys of whole objects read."""
-
-    def __init__(self, inner: Store) -> None:
-        super().__init__(inner)
-        self.keys: list[str] = []
-
-    def get(self, key: str, *, max_bytes: int | None = None) -> ObjectData:
-        self.keys.append(key)
-        return super().get(key, max_bytes=max_bytes)
-
-
 def test_a_rebuilt_rank_downloads_only_the_patch_shards_that_change_its_blocks(tmp_path: Path) -> None:
     # Shards of 1 KiB: each patch is many, each holding a few tensors' entries (by name).
     url, served = _run(tmp_path, 3, codec="zstd", max_shard_bytes=1 << 10)
-    store = Downloads(open_store(url))
+    store = ReadLog(open_store(url))
     run = Run(store, "run")
     tip = run.tip()
     assert isinstance(tip, StoredManifest)
@@ -163,5 +152,5 @@ def test_a_rebuilt_rank_downloads_only_the_patch_shards_that_change_its_blocks(t
             assert base.parts[name] == part_fingerprint(block, want)
     finally:
         base.close()
-    read = shards & set(store.keys)
+    read = shards & set(store.read)
     assert len(shards) > 8 and 0 < len(read) < len(shards) / 2, (len(read), len(shards))
