@@ -435,9 +435,7 @@ class PublishedBase:
         names = list(ckpt)
 
         def hashed(name: str) -> int:
-            block = self.blocks[name]
-            bits = ckpt.bits(name)
-            return fingerprint(bits) if block.is_whole else part_fingerprint(block, bits)
+            return part_fingerprint(self.blocks[name], ckpt.bits(name))
 
         with ThreadPoolExecutor(max_workers=_VERIFY_THREADS, thread_name_prefix="bulletin-verify") as pool:
             return dict(zip(names, pool.map(hashed, names), strict=True))

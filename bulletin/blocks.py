@@ -21,7 +21,7 @@ from bulletin.errors import IncompatibleLayout, InternalError
 from patcher.cast import cast_bits
 from patcher.context_diff import ranked_delta
 from patcher.diff import cast_changes
-from patcher.fingerprint import fingerprint_rows
+from patcher.fingerprint import fingerprint, fingerprint_rows
 from patcher.fingerprint_update import fingerprint_change
 from patcher.patch import TensorDelta, TensorSpec
 
@@ -79,13 +79,18 @@ class Block:
         ) and bool(self.numel and other.numel)
 
 
+def _flat_index(shape: tuple[int, ...], coords: tuple[int, ...]) -> int:
+    """The flat (C order) index of element ``coords`` of a tensor of ``shape``."""
+    return sum(c * prod(shape[d + 1 :]) for d, c in enumerate(coords))
+
+
 def contiguous_start(block: Block) -> int | None:
     """The whole tensor's flat index of the block's first element when the block is one
     contiguous run of the tensor's elements (a whole tensor, FSDP2's ``Shard(0)``), else None."""
     cut = block.cut_dims
     if cut and any(block.sizes[d] != 1 for d in range(cut[-1])):
         return None
-    return sum(o * prod(block.shape[d + 1 :]) for d, o in enumerate(block.offsets))
+    return _flat_index(block.shape, block.offsets)
 
 
 def block_span(block: Block) -> tuple[int, int]:
@@ -93,10 +98,8 @@ def block_span(block: Block) -> tuple[int, int]:
     within (every one of them, and for a block that is not one run, others between)."""
     if block.numel == 0:
         return 0, 0
-    strides = [prod(block.shape[d + 1 :]) for d in range(len(block.shape))]
-    first = sum(o * st for o, st in zip(block.offsets, strides, strict=True))
-    last = sum((o + n - 1) * st for o, n, st in zip(block.offsets, block.sizes, strides, strict=True))
-    return first, last + 1
+    last = tuple(o + n - 1 for o, n in zip(block.offsets, block.sizes, strict=True))
+    return _flat_index(block.shape, block.offsets), _flat_index(block.shape, last) + 1
 
 
 def global_indices(block: Block, local: NDArray[np.int64]) -> NDArray[np.int64]:
@@ -145,6 +148,8 @@ def part_fingerprint(block: Block, bits: NDArray[np.unsignedinteger]) -> int:
     (fingerprints are sums over elements of a hash of the global index and the bits)."""
     if block.numel == 0:
         return 0
+    if block.is_whole:  # the tensor's own fingerprint (the threaded kernel)
+        return fingerprint(bits)
     flat = np.ascontiguousarray(bits).reshape(-1)
     cut_dims = block.cut_dims
     if not cut_dims:

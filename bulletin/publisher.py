@@ -119,7 +119,6 @@ from bulletin.target import Held
 from patcher.compression import AUTO_CODEC, CONTEXT_CODEC, PUBLISH_CODECS, check_codec, check_patch_codec
 from patcher.dtypes import FLOAT_DTYPES, SERVED_FLOAT_DTYPES
 from patcher.encode import encode, encode_smallest
-from patcher.fingerprint import fingerprint
 from patcher.format import TensorInfo, compute_patch_id
 from patcher.patch import Patch, TensorDelta, TensorSpec
 from schemas.manifest import KeyframeRef, ManifestV1, ObjectRef, PatchRef, PatchRefV2, check_metadata, parse_manifest
@@ -175,8 +174,7 @@ class _Snap:
 class _Outcome:
     """What rank 0 tells every rank after its commit."""
 
-    manifest: bytes | None
-    digest: str
+    manifest: tuple[bytes, str, int] | None  # the committed manifest (_shared), for the other ranks
     error: str
     kind: str  # "" when committed, else the error's class name
     unknown: bool = False  # whether the manifest may have been created anyway
@@ -374,8 +372,7 @@ class Publisher:
                     return cast_served(ckpt.bits(name), dtype, self.dtype)[1]  # torch's rounding
 
                 snap.bits.later[name] = read
-            blocks = {name: Block.whole(spec.shape) for name, spec in specs.items()}
-            snap.layout = RankLayout(self.rank, specs, blocks, {})
+            snap.layout = RankLayout.whole(self.rank, specs, {})
             return self._step(snap)
 
     def publish_async(
@@ -510,8 +507,7 @@ class Publisher:
         base = self._base
         full = (base.next_version - 1) % self.keyframe_every == 0
         taken = take_snapshot(state_dict, dtype=self.dtype, base=base, full=full, copy=copy, ranked=self._ranked)
-        blocks = {name: Block.whole(spec.shape) for name, spec in taken.specs.items()}
-        layout = RankLayout(self.rank, taken.specs, blocks, taken.aliases)
+        layout = RankLayout.whole(self.rank, taken.specs, taken.aliases)
         return _Snap(layout, bits=taken.bits, changes=taken.changes, version=taken.version)
 
     # -- the step ------------------------------------------------------------------------
@@ -927,8 +923,6 @@ class Publisher:
                     if same_layout:
                         change = changes[name] = self._base.diff(name, bits, ranked=self._ranked)
                         parts[name] = change.delta.target_fingerprint
-                    elif owned[name].is_whole:
-                        parts[name] = fingerprint(bits)
                     else:
                         parts[name] = part_fingerprint(owned[name], bits)
                     staged.write(name, bits)
@@ -1057,7 +1051,7 @@ class Publisher:
         every rank returns the committed manifest and the files' bytes uploaded (rank
         0's), or raises the commit's error. A commit whose outcome is unknown leaves
         ``pending`` (with the manifest, on rank 0) to settle before the next step."""
-        outcome = _Outcome(None, "", "", "")
+        outcome = _Outcome(None, "", "")
         failure: BaseException | None = None
         committed: StoredManifest | None = None
         manifest: ManifestV1 | None = None
@@ -1083,16 +1077,13 @@ class Publisher:
                 self._at("manifest", version)
                 committed = self._run.commit(manifest)  # raises VersionConflict for a stale trainer
                 # The other ranks parse what rank 0 committed; rank 0 keeps its own.
-                sent = committed.manifest.model_dump_json().encode() if self.world > 1 else None
-                outcome = _Outcome(sent, committed.digest, "", "")
+                outcome = _Outcome(_shared(committed) if self.world > 1 else None, "", "")
                 self._at("committed", version)
             except BaseException as exc:
                 # The manifest may exist: settled before anything else.
                 unknown = manifest is not None and isinstance(exc, StorageUnavailable)
                 failure = exc
-                outcome = _Outcome(
-                    None, "", str(exc), type(exc).__name__, unknown and not isinstance(exc, AccessDenied)
-                )
+                outcome = _Outcome(None, str(exc), type(exc).__name__, unknown and not isinstance(exc, AccessDenied))
         outcome = self._comm.broadcast(outcome)
         if outcome.kind:
             self._agreed = True  # every rank learnt the same outcome
@@ -1107,9 +1098,10 @@ class Publisher:
             raise RankFailed(f"the commit of version {version} failed on rank 0 ({outcome.kind}: {outcome.error})")
         if committed is not None:
             return committed, uploaded
-        if outcome.manifest is None:  # pragma: no cover - a committed outcome carries it
+        shared = _unshared(outcome.manifest)
+        if shared is None:  # pragma: no cover - a committed outcome carries it
             raise InternalError(f"version {version}: committed without a manifest")
-        return StoredManifest(parse_manifest(outcome.manifest), outcome.digest, len(outcome.manifest)), 0
+        return shared, 0
 
     def _check_chain(self, committed: StoredManifest) -> None:
         """The run still holds the version this publisher continues, as committed or resumed

@@ -30,6 +30,11 @@ class RankLayout:
     blocks: dict[str, Block]
     aliases: dict[str, str]
 
+    @classmethod
+    def whole(cls, rank: int, specs: dict[str, TensorSpec], aliases: dict[str, str]) -> RankLayout:
+        """A rank holding every tensor of ``specs`` whole (one process's)."""
+        return cls(rank, specs, {name: Block.whole(spec.shape) for name, spec in specs.items()}, aliases)
+
 
 @dataclass(frozen=True, slots=True)
 class Layout:
