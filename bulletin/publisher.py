@@ -565,6 +565,17 @@ class Publisher:
             raise VersionConflict(f"{what}: {message}")
         raise RankFailed(f"rank 0 failed while {what} ({kind}: {message}); nothing was committed for this step")
 
+    def _manifest_from_rank0(
+        self, error: BaseException | None, what: str, stored: StoredManifest | None
+    ) -> StoredManifest | None:
+        """Rank 0's ``stored`` on every rank (serialised only between processes), or its
+        error as :meth:`_from_rank0` raises it."""
+        if self.world == 1:
+            if error is not None:
+                raise error
+            return stored
+        return _unshared(self._from_rank0(error, what, _shared(stored)))
+
     def _step(self, snap: _Snap, *, background: bool = False) -> PublishResult:
         self._agreed = False
         try:
@@ -651,9 +662,7 @@ class Publisher:
                     self._run.advance_head(tip)
             except BaseException as exc:
                 error = exc
-        tip = _unshared(self._from_rank0(error, "reading the run's tip", _shared(tip))) if self.world > 1 else tip
-        if error is not None:
-            raise error
+        tip = self._manifest_from_rank0(error, "reading the run's tip", tip)
         if layout is None:
             self._base.open(tip)
             self._owners = _whole_owners(tip.manifest.specs) if tip is not None else {}
@@ -699,11 +708,10 @@ class Publisher:
             except BaseException as exc:
                 error = exc
         try:
-            doc = self._from_rank0(error, "settling the step that failed", _shared(settled) if self.world > 1 else None)
+            settled = self._manifest_from_rank0(error, "settling the step that failed", settled)
         except VersionConflict:
             self._drop_pending()  # another writer's version is there: never ours
             raise
-        settled = _unshared(doc) if self.world > 1 else settled
         if settled is not None and pending is not None:
             self._pending = None
             if pending.staged is not None:
