@@ -555,6 +555,7 @@ class PublishedBase:
                 self._run.store.get_to_file(
                     self._run.key(obj.key), folder / name, sha256=obj.sha256, max_bytes=obj.size
                 )
+                make_private(folder / name)  # downloaded in pieces: laid out again in whole folios
             ckpt = self._map(folder.name)
             if ckpt.specs != dict(stored.manifest.specs):
                 raise FormatError(
@@ -588,6 +589,7 @@ class PublishedBase:
                 folder / SINGLE_NAME,
                 workers=min(8, self._run.max_workers),
             )
+            make_private(folder / SINGLE_NAME)  # written by ranges: laid out again in whole folios
             self._map(folder.name)
         except BaseException:
             self._unmap()

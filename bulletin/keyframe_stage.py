@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 import shutil
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -16,6 +17,7 @@ from typing import Any, Final
 import numpy as np
 from numpy.typing import NDArray
 
+from bulletin.aligned_writes import AlignedWriter
 from bulletin.blocks import Block
 from bulletin.checkpoint import INDEX_NAME, encode_safetensors_header, hf_index, plan_checkpoint
 from bulletin.errors import InternalError
@@ -37,6 +39,18 @@ class KeyframeFile:
 
 #: Writes at least this large are hashed on another thread while they are written.
 _HASH_APART_BYTES: Final = 1 << 20
+
+
+@dataclass(slots=True)
+class _Open:
+    """The file being written: written in whole folios (the folder may become the
+    base, written through a map at every version: :mod:`bulletin.aligned_writes`)."""
+
+    path: Path
+    fd: int
+    writer: AlignedWriter
+    digest: Any
+    index: int
 
 
 class StagedKeyframe:
@@ -72,7 +86,7 @@ class StagedKeyframe:
         self._plan = plan_checkpoint(specs, file_bytes)
         self._order = [(i, spec) for i, (_, shard) in enumerate(self._plan) for spec in shard]
         self._next = 0
-        self._open: tuple[Any, Any, int] | None = None  # (file object, hash, plan index)
+        self._open: _Open | None = None
         self.files: list[KeyframeFile] = []
         # Each tensor's bytes are hashed on this thread while the caller's writes them.
         self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bulletin-keyframe-sha256")
@@ -87,7 +101,7 @@ class StagedKeyframe:
         data = np.ascontiguousarray(bits).reshape(-1).view(np.uint8)
         if data.size != spec.nbytes:
             raise InternalError(f"{name}: {data.size} bytes for a tensor of {spec.nbytes}")
-        if self._open is None or self._open[2] != index:
+        if self._open is None or self._open.index != index:
             self._close_file()
             self._open_file(index)
         self._put(data.data)
@@ -96,25 +110,27 @@ class StagedKeyframe:
     def _open_file(self, index: int) -> None:
         file_name, shard = self._plan[index]
         header, _ = encode_safetensors_header(shard, {"format": "pt"})
-        with os_errors(f"cannot write {self.folder / file_name}"):
-            fh = open(self.folder / file_name, "wb")  # noqa: SIM115 - closed by _close_file
-        self._open = (fh, hashlib.sha256(), index)
+        path = self.folder / file_name
+        with os_errors(f"cannot write {path}"):
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        self._open = _Open(path, fd, AlignedWriter(fd), hashlib.sha256(), index)
         self._put(header)
 
     def _put(self, data: bytes | memoryview) -> None:
         if self._open is None:  # pragma: no cover - write() opens the file first
             raise InternalError("keyframe bytes written with no file open")
-        fh, digest, _ = self._open
+        out = self._open
+        digest = out.digest
         if not self._hashed:
-            with os_errors(f"cannot write {fh.name}"):
-                fh.write(data)
+            with os_errors(f"cannot write {out.path}"):
+                out.writer.write(data)
             return
         # Both release the GIL: the hash of these bytes overlaps their write, and is
         # done when this returns (the caller may drop or change them then).
         hashing = self._hasher.submit(digest.update, data) if len(data) >= _HASH_APART_BYTES else None
         try:
-            with os_errors(f"cannot write {fh.name}"):
-                fh.write(data)
+            with os_errors(f"cannot write {out.path}"):
+                out.writer.write(data)
         finally:
             if hashing is not None:
                 hashing.result()
@@ -124,13 +140,16 @@ class StagedKeyframe:
     def _close_file(self) -> None:
         if self._open is None:
             return
-        fh, digest, index = self._open
+        out = self._open
         self._open = None
-        with os_errors(f"cannot write {fh.name}"):
-            fh.close()
-        path = Path(fh.name)
-        sha256 = digest.hexdigest() if self._hashed else ""  # never uploaded: nothing to name
-        done = KeyframeFile(self._plan[index][0], path, path.stat().st_size, sha256)
+        try:
+            with os_errors(f"cannot write {out.path}"):
+                out.writer.close()
+                size = out.writer.position
+        finally:
+            os.close(out.fd)
+        sha256 = out.digest.hexdigest() if self._hashed else ""  # never uploaded: nothing to name
+        done = KeyframeFile(self._plan[out.index][0], out.path, size, sha256)
         self.files.append(done)
         if self.on_file is not None:
             self.on_file(done)
@@ -154,7 +173,7 @@ class StagedKeyframe:
     def discard(self) -> None:
         if self._open is not None:
             with contextlib.suppress(OSError):
-                self._open[0].close()
+                os.close(self._open.fd)
             self._open = None
         self._hasher.shutdown()
         shutil.rmtree(self.folder, ignore_errors=True)

@@ -5,10 +5,11 @@ same file system takes its files as they are (``put_file_if_absent(..., link=Tru
 a hard link, no bytes copied). The store's objects must never change, and the cache is
 advanced in place by every later version, so a cache file with other links is mapped
 read only (a write through it fails) until :func:`make_private` has replaced it by a
-copy of its own: the bytes copied in the kernel to a temp file beside it, renamed over
-its name, while the store's name keeps the old inode. :class:`Privatizer` does that on
-a thread of its own right after the keyframe's commit, so that the copy overlaps what
-the trainer does next instead of lengthening the publish.
+copy of its own: the bytes copied to a temp file beside it in whole 2 MiB folios
+(:func:`~bulletin.aligned_writes.copy_aligned`), renamed over its name, while the
+store's name keeps the old inode. :class:`Privatizer` does that on a thread of its own
+right after the keyframe's commit, so that the copy overlaps what the trainer does next
+instead of lengthening the publish.
 """
 
 from __future__ import annotations
@@ -21,14 +22,13 @@ import threading
 from pathlib import Path
 from typing import Final
 
+from bulletin.aligned_writes import copy_aligned
 from bulletin.fileio import os_errors
 
 __all__ = ["Privatizer", "make_private", "remove_temps", "shared_files"]
 
 log = logging.getLogger("bulletin.shared_files")
 
-#: Bytes copied per kernel call: a cancelled copy stops within one of them.
-_STEP: Final = 64 << 20
 _TEMP_MARK: Final = ".private-"
 
 
@@ -50,8 +50,10 @@ def remove_temps(folder: Path) -> None:
 
 
 def make_private(path: Path, cancel: threading.Event | None = None) -> bool:
-    """Give ``path`` an inode of its own with the same bytes (the other names keep the
-    old one). False if ``cancel`` was set first: nothing changed, no temp file left."""
+    """Give ``path`` an inode of its own with the same bytes, copied in whole folios (the
+    other names keep the old one): a file a store shares becomes private, and one
+    written in pieces (a download, ranged reads) is laid out for writes through a map.
+    False if ``cancel`` was set first: nothing changed, no temp file left."""
     tmp = path.with_name(f".{path.name}{_TEMP_MARK}{secrets.token_hex(4)}")
     with os_errors(f"cannot copy {path}"):
         src = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -59,14 +61,8 @@ def make_private(path: Path, cancel: threading.Event | None = None) -> bool:
             size = os.fstat(src).st_size
             dst = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
             try:
-                done = 0
-                while done < size:
-                    if cancel is not None and cancel.is_set():
-                        break
-                    copied = os.copy_file_range(src, dst, min(_STEP, size - done), done, done)
-                    if not copied:
-                        raise OSError(f"{path}: shorter than its size while it was copied")
-                    done += copied
+                # Whole folios at their offsets: the base's map faults once per 2 MiB.
+                done = copy_aligned(src, dst, size, cancel)
             finally:
                 os.close(dst)
             if done < size:
