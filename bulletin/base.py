@@ -339,7 +339,9 @@ class PublishedBase:
         if cut or set(self.parts) != set(fingerprints):
             doc["parts"] = {name: format_fingerprint(fp) for name, fp in sorted(self.parts.items())}
             doc["blocks"] = {n: [list(b.shape), list(b.offsets), list(b.sizes)] for n, b in sorted(cut.items())}
-        write_atomic(self.cache_dir / STATE_NAME, [json.dumps(doc, indent=1).encode()])
+        # Not fsynced, as the bits are not: opening verifies them against the run (an
+        # fsync a step also waits for the journal, a keyframe's data blocks included).
+        write_atomic(self.cache_dir / STATE_NAME, [json.dumps(doc, indent=1).encode()], durable=False)
 
     def _sweep(self) -> None:
         """Remove folders of this cache the state does not name (staged keyframes of a

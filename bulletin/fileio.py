@@ -84,16 +84,18 @@ def _tmp_name(target: Path) -> Path:
 
 
 @contextmanager
-def _temp_file(target: Path) -> Iterator[tuple[BinaryIO, Path]]:
-    """A new temp file beside ``target`` (``.NAME.tmp-PID``), fsynced when the block ends;
-    removed if anything fails, the block included (``OSError`` as :func:`local_error`)."""
+def _temp_file(target: Path, *, fsync: bool = True) -> Iterator[tuple[BinaryIO, Path]]:
+    """A new temp file beside ``target`` (``.NAME.tmp-PID``), fsynced when the block ends
+    (unless ``fsync`` is false); removed if anything fails, the block included
+    (``OSError`` as :func:`local_error`)."""
     tmp = _tmp_name(target)
     with os_errors(f"cannot write {target}"):
         try:
             with open(tmp, "wb") as fh:
                 yield fh, tmp
                 fh.flush()
-                os.fsync(fh.fileno())
+                if fsync:
+                    os.fsync(fh.fileno())
         except BaseException:
             with suppress(OSError):
                 os.unlink(tmp)
@@ -101,15 +103,18 @@ def _temp_file(target: Path) -> Iterator[tuple[BinaryIO, Path]]:
 
 
 @contextmanager
-def atomic_file(target: Path, *, sync_dir: bool = True) -> Iterator[BinaryIO]:
+def atomic_file(target: Path, *, sync_dir: bool = True, durable: bool = True) -> Iterator[BinaryIO]:
     """A file handle whose content replaces ``target`` when the block ends without error.
 
     The content goes to a temp file beside ``target`` (``.NAME.tmp-PID``), is fsynced,
     and renamed over ``target``: a crash leaves the old file or the new one, never a
     mix. If anything fails (the block included) the temp file is removed and ``target``
-    is untouched; an ``OSError`` is raised as :func:`local_error`.
+    is untouched; an ``OSError`` is raised as :func:`local_error`. ``durable=False``
+    fsyncs nothing (neither the file nor its folder): the rename is still atomic for
+    other processes and a crash of this one, not across a power loss.
     """
-    with _temp_file(target) as (fh, tmp):
+    sync_dir = sync_dir and durable
+    with _temp_file(target, fsync=durable) as (fh, tmp):
         yield fh
     with os_errors(f"cannot write {target}"):
         try:
@@ -122,10 +127,12 @@ def atomic_file(target: Path, *, sync_dir: bool = True) -> Iterator[BinaryIO]:
         fsync_dir(target.parent)
 
 
-def write_atomic(target: Path, parts: Iterable[bytes | memoryview], *, sync_dir: bool = True) -> Path:
+def write_atomic(
+    target: Path, parts: Iterable[bytes | memoryview], *, sync_dir: bool = True, durable: bool = True
+) -> Path:
     """Write ``parts`` to ``target`` so that a crash leaves the old file or the new one
     (see :func:`atomic_file`: nothing is left behind on failure)."""
-    with atomic_file(target, sync_dir=sync_dir) as fh:
+    with atomic_file(target, sync_dir=sync_dir, durable=durable) as fh:
         for part in parts:
             fh.write(part)
     return target
