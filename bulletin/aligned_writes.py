@@ -33,8 +33,8 @@ class AlignedWriter:
     :data:`FOLIO_BYTES` at their boundaries, through a buffer of one folio. The bytes
     always go through it: a write straight from memory that is not resident (a map of
     a checkpoint, the caller's) is copied by the kernel in ever smaller pieces, each in
-    a smaller folio. :meth:`close` writes the rest; it does not close ``fd``. ``OSError`` passes
-    through (the caller names the file)."""
+    a smaller folio. :meth:`close` writes the rest; it does not close ``fd``.
+    ``OSError`` passes through (the caller names the file)."""
 
     def __init__(self, fd: int, offset: int = 0) -> None:
         self._fd = fd

@@ -120,22 +120,18 @@ class StagedKeyframe:
         if self._open is None:  # pragma: no cover - write() opens the file first
             raise InternalError("keyframe bytes written with no file open")
         out = self._open
-        digest = out.digest
-        if not self._hashed:
-            with os_errors(f"cannot write {out.path}"):
-                out.writer.write(data)
-            return
         # Both release the GIL: the hash of these bytes overlaps their write, and is
         # done when this returns (the caller may drop or change them then).
-        hashing = self._hasher.submit(digest.update, data) if len(data) >= _HASH_APART_BYTES else None
+        apart = self._hashed and len(data) >= _HASH_APART_BYTES
+        hashing = self._hasher.submit(out.digest.update, data) if apart else None
         try:
             with os_errors(f"cannot write {out.path}"):
                 out.writer.write(data)
         finally:
             if hashing is not None:
                 hashing.result()
-        if hashing is None:
-            digest.update(data)
+        if self._hashed and hashing is None:
+            out.digest.update(data)
 
     def _close_file(self) -> None:
         if self._open is None:
