@@ -35,18 +35,21 @@ _TEMP_MARK: Final = ".private-"
 def shared_files(folder: Path) -> list[Path]:
     """The regular files of ``folder`` that have other names (hard links) too."""
     out = []
-    for entry in os.scandir(folder):
-        if entry.is_file(follow_symlinks=False) and _TEMP_MARK not in entry.name and entry.stat().st_nlink > 1:
-            out.append(Path(entry.path))
+    # Closed even when a file goes mid-scan (the cache's folder swept under a background copy).
+    with os.scandir(folder) as entries:
+        for entry in entries:
+            if entry.is_file(follow_symlinks=False) and _TEMP_MARK not in entry.name and entry.stat().st_nlink > 1:
+                out.append(Path(entry.path))
     return sorted(out)
 
 
 def remove_temps(folder: Path) -> None:
     """Temp files of a copy a killed process left in ``folder``."""
-    for entry in os.scandir(folder):
-        if entry.name.startswith(".") and _TEMP_MARK in entry.name:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(entry.path)
+    with os.scandir(folder) as entries:
+        for entry in entries:
+            if entry.name.startswith(".") and _TEMP_MARK in entry.name:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)
 
 
 def make_private(path: Path, cancel: threading.Event | None = None) -> bool:

@@ -685,13 +685,14 @@ class LocalDirTarget(WeightTarget):
                     if _MODEL_NAME.fullmatch(name) and not any(folder.iterdir()):
                         folder.rmdir()
                     return
-                for entry in os.scandir(folder):
-                    if entry.name == self.MARKER:
-                        continue
-                    if entry.is_dir(follow_symlinks=False):
-                        shutil.rmtree(entry.path)
-                    else:
-                        os.unlink(entry.path)
+                with os.scandir(folder) as entries:  # closed when a removal fails mid-scan
+                    for entry in entries:
+                        if entry.name == self.MARKER:
+                            continue
+                        if entry.is_dir(follow_symlinks=False):
+                            shutil.rmtree(entry.path)
+                        else:
+                            os.unlink(entry.path)
                 os.unlink(folder / self.MARKER)
                 folder.rmdir()
         except (BulletinError, OSError) as exc:
