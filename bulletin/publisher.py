@@ -78,9 +78,10 @@ from numpy.typing import NDArray
 from bulletin.base import PublishedBase
 from bulletin.blocks import Block, BlockChanges, part_fingerprint
 from bulletin.checkpoint import INDEX_NAME, Checkpoint, hf_index, plan_checkpoint
+from bulletin.collector import collector_paused
 from bulletin.distributed.comm import Comm
 from bulletin.distributed.keyframe_files import write_keyframe_files
-from bulletin.distributed.parts import Layout, RankLayout, plan_layout
+from bulletin.distributed.parts import Layout, RankLayout, plan_layout, run_parts
 from bulletin.distributed.shards import renumber
 from bulletin.errors import (
     AccessDenied,
@@ -118,7 +119,7 @@ from bulletin.sync import check_chain
 from bulletin.target import Held
 from patcher.compression import AUTO_CODEC, CONTEXT_CODEC, PUBLISH_CODECS, check_codec, check_patch_codec
 from patcher.dtypes import FLOAT_DTYPES, SERVED_FLOAT_DTYPES
-from patcher.encode import encode, encode_smallest
+from patcher.encode import TensorPart, encode, encode_parts, encode_smallest
 from patcher.format import TensorInfo, compute_patch_id
 from patcher.patch import Patch, TensorDelta, TensorSpec
 from schemas.manifest import KeyframeRef, ManifestV1, ObjectRef, PatchRef, PatchRefV2, check_metadata, parse_manifest
@@ -579,7 +580,8 @@ class Publisher:
     def _step(self, snap: _Snap, *, background: bool = False) -> PublishResult:
         self._agreed = False
         try:
-            result = self._step_once(snap)
+            with collector_paused():
+                result = self._step_once(snap)
         except BaseException as exc:
             self._failure(exc)
             # One process, or a failure every rank met at the same agreement in a
@@ -766,9 +768,9 @@ class Publisher:
                 base.device_only(set(owned) & set(snap.device))
         except BaseException as exc:
             error = exc
-        self._agree(error, "diffing its blocks")
+        everyone = self._agree(error, "diffing its blocks", self._said(changes))
         self._at("diffed", version)
-        patch_ref, fps = self._send_patch(version, layout, changes)
+        patch_ref, fps = self._send_patch(version, layout, changes, everyone)
         self._at("uploaded", version)
         parts = {name: change.delta.target_fingerprint for name, change in changes.items()}
         pending = _Pending(None, layout.owners, changes, None, parts, 0, snap.files.notes)
@@ -777,6 +779,12 @@ class Publisher:
         self._owners = layout.owners
         self._at("advanced", version)
         return self._result(stored, snap, uploaded)
+
+    def _said(self, changes: Mapping[str, BlockChanges]) -> dict[str, tuple[int, int]] | None:
+        """What this rank tells the others of its blocks' changes (several ranks): each
+        block's part of the fingerprint change and its changed count, O(blocks it owns),
+        so that every rank knows every tensor's whole change (:meth:`_parts`)."""
+        return {name: (c.part, c.delta.changed) for name, c in changes.items()} if self.world > 1 else None
 
     def _changes(self, name: str, snap: _Snap, served: str) -> BlockChanges:
         """The change of this rank's block of ``name``: found when the snapshot was taken
@@ -799,52 +807,42 @@ class Publisher:
         return found if found is not None else base.diff(name, base.device_keep(name, value), ranked=self._ranked)
 
     def _send_patch(
-        self, version: int, layout: Layout, changes: Mapping[str, BlockChanges]
+        self,
+        version: int,
+        layout: Layout,
+        changes: Mapping[str, BlockChanges],
+        said: list[dict[str, tuple[int, int]] | None],
     ) -> tuple[PatchRef, dict[str, int]]:
-        """Every change to its tensor's writer; each rank encodes and uploads the entries
-        of the tensors it writes, as shards of one patch. Returns the patch's reference
-        and every tensor's new fingerprint (the same on every rank)."""
-        base = self._base
-        outgoing: list[list[_Sent]] = [[] for _ in range(self.world)]
-        own: dict[str, TensorDelta] = {}
-        for name, change in changes.items():
-            writer = layout.writers[name]
-            if writer == self.rank and len(layout.owners[name]) == 1:
-                own[name] = change.delta  # the whole change, as diffed (ranked for the context codec)
-            else:
-                outgoing[writer].append((name, change.delta.indices, change.delta.delta, change.part))
-        incoming = self._comm.exchange(outgoing)
-        del outgoing
-        self._at("exchanged", version)
+        """The patch's shards, encoded and uploaded by every rank (one rank: all of them,
+        as its codec codes them; several: :meth:`_parts`), numbered in rank order as one
+        patch. Returns the patch's reference and every tensor's new fingerprint (the same
+        on every rank); ``said``: every rank's parts of the change (several ranks)."""
         shards: list[bytes] = []
         codec = self.codec
-        infos: dict[str, tuple[int, int]] = {}
+        infos: dict[str, TensorInfo] = {}
+        patch_id = ""
         error: BaseException | None = None
         try:
-            deltas = self._merge(layout, incoming, own)
-            del incoming, own
-            infos = {name: (td.target_fingerprint, td.changed) for name, td in deltas.items()}
-            if deltas:
+            if self.world == 1:
+                self._at("exchanged", version)  # nothing to exchange
+                deltas = {name: change.delta for name, change in changes.items()}  # as diffed (ranked, maybe)
+                infos = {
+                    name: TensorInfo(td.spec, td.base_fingerprint, td.target_fingerprint, td.changed)
+                    for name, td in deltas.items()
+                }
                 codec, shards = self._encode(Patch(deltas))
-            del deltas
+                del deltas
+            else:
+                infos, patch_id, shards = self._parts(version, layout, changes, said)
         except BaseException as exc:
             error = exc
-        everyone = self._agree(error, "encoding its tensors", (infos, len(shards)))
+        counts = self._agree(error, "encoding its tensors", len(shards))
         self._at("encoded", version)
-        targets: dict[str, tuple[int, int]] = {}
-        for part, _ in everyone:
-            targets.update(part)
         refs: list[ObjectRef] = []
         try:
             items: dict[str, bytes] = {}
             if self.world > 1:  # one patch of every rank's shards, numbered in rank order
-                tensor_infos = {
-                    name: TensorInfo(layout.specs[name], base.fingerprints[name], *targets[name])
-                    for name in sorted(targets)
-                }
-                patch_id = compute_patch_id(tensor_infos)
-                first = sum(count for _, count in everyone[: self.rank])
-                total = sum(count for _, count in everyone)
+                first, total = sum(counts[: self.rank]), sum(counts)
                 shards = [renumber(data, patch_id, first + i, total) for i, data in enumerate(shards)]
             for data in shards:
                 digest = sha256_hex(data)
@@ -856,18 +854,59 @@ class Publisher:
         except BaseException as exc:
             error = exc
         all_refs = tuple(r for part in self._agree(error, "uploading its shards", refs) for r in part)
-        changed = sum(count for _, count in targets.values())
+        changed = sum(info.changed for info in infos.values())
         ref: PatchRef
         if codec == CONTEXT_CODEC:
             ref = PatchRefV2(codec="context", shards=all_refs, changed_elements=changed, context="base")
         else:
             ref = PatchRef(codec=check_codec(codec), shards=all_refs, changed_elements=changed)
-        return ref, {name: target for name, (target, _) in targets.items()}
+        return ref, {name: info.target_fingerprint for name, info in infos.items()}
 
-    def _merge(
-        self, layout: Layout, incoming: list[list[_Sent]], own: Mapping[str, TensorDelta]
-    ) -> dict[str, TensorDelta]:
-        """The whole change of each tensor this rank writes: its own, or from every owner's part."""
+    def _parts(
+        self,
+        version: int,
+        layout: Layout,
+        changes: Mapping[str, BlockChanges],
+        said: list[dict[str, tuple[int, int]] | None],
+    ) -> tuple[dict[str, TensorInfo], str, list[bytes]]:
+        """Several ranks: every tensor's whole change (its parts summed: FORMAT.md's
+        fingerprint is a sum over elements), the patch's id, and this rank's shards of it.
+        A tensor whose blocks are runs of it (:attr:`Layout.runs`) is encoded by its
+        owners, each the entries of its run (:func:`~bulletin.distributed.parts.run_parts`);
+        any other's changes go to its writer (one all-to-all, O(changed), only when the
+        job has such tensors), which encodes the whole tensor."""
+        base_fps = self._base.fingerprints
+        sums: dict[str, list[int]] = {name: [base_fps[name], 0] for name in layout.specs}
+        counts: dict[str, dict[int, int]] = {}
+        for rank, part in enumerate(said):
+            for name, (fpd, count) in (part or {}).items():
+                total = sums[name]
+                total[0], total[1] = (total[0] + fpd) & _MASK64, total[1] + count
+                counts.setdefault(name, {})[rank] = count
+        infos = {
+            name: TensorInfo(layout.specs[name], base_fps[name], target, changed)
+            for name, (target, changed) in sorted(sums.items())
+        }
+        parts = run_parts(layout, self.rank, infos, counts, {name: c.delta for name, c in changes.items()})
+        if len(layout.runs) < len(layout.specs):
+            outgoing: list[list[_Sent]] = [[] for _ in range(self.world)]
+            for name, change in changes.items():
+                if name not in layout.runs:
+                    outgoing[layout.writers[name]].append((name, change.delta.indices, change.delta.delta, change.part))
+            incoming = self._comm.exchange(outgoing)
+            del outgoing
+            for name, td in self._merge(layout, incoming).items():
+                parts.append(TensorPart(infos[name], 0, td.spec.numel, td.indices, td.delta))
+            del incoming
+        self._at("exchanged", version)
+        parts.sort(key=lambda part: (part.info.spec.name, part.start))
+        patch_id = compute_patch_id(infos)
+        codec = check_patch_codec(self.codec)
+        return infos, patch_id, encode_parts(parts, patch_id, max_shard_bytes=self.max_shard_bytes, codec=codec)
+
+    def _merge(self, layout: Layout, incoming: list[list[_Sent]]) -> dict[str, TensorDelta]:
+        """The whole change of each tensor this rank writes that is not split by runs, from
+        every owner's part."""
         base_fps = self._base.fingerprints
         parts: dict[str, list[tuple[NDArray[np.int64], Bits, int]]] = {}
         for sent in incoming:
@@ -875,8 +914,7 @@ class Publisher:
                 parts.setdefault(name, []).append((gidx, delta, fpd))
         deltas: dict[str, TensorDelta] = {}
         for name in layout.written(self.rank):
-            if name in own:
-                deltas[name] = own[name]
+            if name in layout.runs:
                 continue
             spec = layout.specs[name]
             got = parts.get(name, [])
@@ -946,12 +984,13 @@ class Publisher:
                 error = exc
             # Rank 0's attempt token names the keyframe's folder on every rank: a step that
             # failed half-way and runs again with other bits never meets the files it left.
-            everyone = self._agree(error, "reading its blocks", (parts, secrets.token_hex(4)))
+            said = self._said(changes)
+            everyone = self._agree(error, "reading its blocks", (parts, secrets.token_hex(4), said))
             self._at("diffed", version)
-            fps = _sums([part for part, _ in everyone])
+            fps = _sums([part for part, _, _ in everyone])
             patch_ref: PatchRef | None = None
             if same_layout:
-                patch_ref, _ = self._send_patch(version, layout, changes)
+                patch_ref, _ = self._send_patch(version, layout, changes, [told for _, _, told in everyone])
             else:
                 self._at("exchanged", version)
                 self._at("encoded", version)

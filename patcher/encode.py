@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
+import numpy as np
 from numpy.typing import NDArray
 
 from patcher.compression import CONTEXT_CODEC, DEFAULT_CODEC, Codec, PatchCodec, check_patch_codec, make_compressor
@@ -46,7 +47,9 @@ __all__ = [
     "CONTEXT_HEADER_LEVEL",
     "DEFAULT_MAX_SHARD_BYTES",
     "MAX_ENTRY_CHANGED",
+    "TensorPart",
     "encode",
+    "encode_parts",
     "encode_smallest",
 ]
 
@@ -75,13 +78,46 @@ AUTO_RECHECK: Final = 1.0
 Compress = Callable[[bytes], bytes]
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class TensorPart:
+    """The changes of one tensor inside its element range ``[start, stop)``: what one of
+    several writers of a patch encodes of it (docs/FORMAT.md 3.4: the entries of a tensor,
+    from every shard of the patch, tile ``[0, numel)``). ``info`` describes the whole
+    tensor's change (its fingerprints and changed count over every part), as every shard
+    that holds part of it says; ``indices`` (int64, strictly increasing, inside the
+    range) and ``delta`` are this part's."""
+
+    info: TensorInfo
+    start: int
+    stop: int
+    indices: NDArray[np.int64]
+    delta: NDArray[Any]
+
+    def validate(self) -> None:
+        """``InvalidInput`` unless the part is one a reader accepts as its tensor's
+        entries of ``[start, stop)``. An unchanged tensor's only part is all of it."""
+        info, name, numel = self.info, self.info.spec.name, self.info.spec.numel
+        TensorDelta(info.spec, self.indices, self.delta, info.base_fingerprint, info.target_fingerprint).validate()
+        if numel > MAX_NUMEL:
+            raise InvalidInput(f"{name}: {numel} elements cannot be indexed by int64")
+        if info.changed == 0 and info.base_fingerprint != info.target_fingerprint:
+            raise InvalidInput(f"{name}: unchanged tensor with different base and target")
+        count = int(self.indices.size)
+        if count > info.changed:
+            raise InvalidInput(f"{name}: a part holds {count} changes of {info.changed}")
+        if count == 0:
+            if info.changed or (self.start, self.stop) != (0, numel):
+                raise InvalidInput(f"{name}: a part without changes must be the whole of an unchanged tensor")
+        elif not (0 <= self.start <= int(self.indices[0]) and int(self.indices[-1]) < self.stop <= numel):
+            raise InvalidInput(f"{name}: changes outside the part's range [{self.start}, {self.stop})")
+
+
 @dataclass(slots=True)
 class _Piece:
     """An entry and its uncompressed contributions to the shard's streams."""
 
-    info: TensorInfo
-    delta: TensorDelta
-    #: First change of the entry (index into ``delta.indices``).
+    part: TensorPart
+    #: First change of the entry (index into ``part.indices``).
     pos: int
     entry: EntryInfo
     gaps: EntryBytes
@@ -97,27 +133,28 @@ class _Piece:
         return len(canonical_json(self.entry.tensor)) + _ENTRY_JSON_BOUND
 
 
-def _piece(info: TensorInfo, td: TensorDelta, pos: int, take: int, start: int) -> _Piece:
-    """The entry holding changes ``pos .. pos + take - 1`` of ``td``, from element ``start``."""
-    name, numel = info.spec.name, info.spec.numel
+def _piece(part: TensorPart, pos: int, take: int, start: int) -> _Piece:
+    """The entry holding changes ``pos .. pos + take - 1`` of ``part``, from element ``start``."""
+    name = part.info.spec.name
     if take == 0:  # an unchanged tensor: one empty entry
         nothing = EntryBytes(b"", SmallValues(b"", []))
-        return _Piece(info, td, 0, EntryInfo(name, 0, numel, 0, 0, 0, 0, 0), nothing, nothing)
+        return _Piece(part, 0, EntryInfo(name, part.start, part.stop, 0, 0, 0, 0, 0), nothing, nothing)
     end = pos + take
-    stop = numel if end == td.changed else int(td.indices[end])
-    gaps = encode_gaps(td.indices[pos:end], start)
-    deltas = encode_deltas(td.delta[pos:end])
+    stop = part.stop if end == part.indices.size else int(part.indices[end])
+    gaps = encode_gaps(part.indices[pos:end], start)
+    deltas = encode_deltas(part.delta[pos:end])
     g, d = gaps.small, deltas.small
     entry = EntryInfo(name, start, stop, take, g.escape_count, len(g.escapes), d.escape_count, len(d.escapes))
-    return _Piece(info, td, pos, entry, gaps, deltas)
+    return _Piece(part, pos, entry, gaps, deltas)
 
 
-def _pieces(info: TensorInfo, td: TensorDelta) -> list[_Piece]:
-    if td.changed == 0:
-        return [_piece(info, td, 0, 0, 0)]
-    out, pos, start = [], 0, 0
-    while pos < td.changed:
-        piece = _piece(info, td, pos, min(td.changed - pos, MAX_ENTRY_CHANGED), start)
+def _pieces(part: TensorPart) -> list[_Piece]:
+    changed = int(part.indices.size)
+    if changed == 0:
+        return [_piece(part, 0, 0, part.start)]
+    out, pos, start = [], 0, part.start
+    while pos < changed:
+        piece = _piece(part, pos, min(changed - pos, MAX_ENTRY_CHANGED), start)
         out.append(piece)
         pos, start = pos + piece.entry.count, piece.entry.stop
     return out
@@ -126,8 +163,8 @@ def _pieces(info: TensorInfo, td: TensorDelta) -> list[_Piece]:
 def _cut(piece: _Piece, keep: int) -> tuple[_Piece, _Piece]:
     """``piece`` as two entries: its first ``keep`` changes, and the rest."""
     e = piece.entry
-    head = _piece(piece.info, piece.delta, piece.pos, keep, e.start)
-    tail = _piece(piece.info, piece.delta, piece.pos + keep, e.count - keep, head.entry.stop)
+    head = _piece(piece.part, piece.pos, keep, e.start)
+    tail = _piece(piece.part, piece.pos + keep, e.count - keep, head.entry.stop)
     return head, tail
 
 
@@ -157,7 +194,7 @@ def _document(shard: _Shard, patch_id: str, index: int, count: int) -> dict[str,
         for data in shard.streams[kind]:
             refs[kind].append([offset, len(data)])
             offset += len(data)
-    tensors = {p.info.spec.name: p.info for p in shard.pieces}
+    tensors = {p.part.info.spec.name: p.part.info for p in shard.pieces}
     return {
         "entries": [p.entry.document() for p in shard.pieces],
         "patch": patch_id,
@@ -210,18 +247,18 @@ def _pack(pieces: Sequence[_Piece], max_shard_bytes: int, compress: Compress) ->
     described: dict[str, int] = {}  # JSON bytes of each tensor's description
 
     def estimate(piece: _Piece, names: set[str]) -> int:
-        name = piece.info.spec.name
+        name = piece.part.info.spec.name
         if name not in described:
-            described[name] = len(canonical_json({name: tensor_document(piece.info)}))
+            described[name] = len(canonical_json({name: tensor_document(piece.part.info)}))
         return int(piece.raw_bytes * ratio) + piece.json_bytes + (0 if name in names else described[name])
 
     while pending:
         take = [pending.popleft()]
-        names = {take[0].info.spec.name}
+        names = {take[0].part.info.spec.name}
         used = base + estimate(take[0], set())
         while pending and used + (more := estimate(pending[0], names)) <= max_shard_bytes:
             used += more
-            names.add(pending[0].info.spec.name)
+            names.add(pending[0].part.info.spec.name)
             take.append(pending.popleft())
         while True:
             shard = _build(take, compress)
@@ -290,12 +327,7 @@ def encode(
         compress = make_compressor("zstd", CONTEXT_HEADER_LEVEL if level is None else level)
     else:
         compress = make_compressor(name, level)
-    if (
-        not isinstance(max_shard_bytes, int)
-        or isinstance(max_shard_bytes, bool)
-        or max_shard_bytes <= FIXED_HEADER_SIZE
-    ):
-        raise InvalidInput(f"max_shard_bytes must be an int > {FIXED_HEADER_SIZE}")
+    _check_max_shard_bytes(max_shard_bytes)
     if not isinstance(patch, Patch):
         raise InvalidInput(f"expected a Patch, got {type(patch)}")
     infos = _infos(patch)
@@ -314,9 +346,61 @@ def encode(
             )
         ]
         return encode_context(entries, patch_id, max_shard_bytes, compress)
-    pieces = [piece for tensor, info in infos.items() for piece in _pieces(info, patch.tensors[tensor])]
+    parts = [
+        TensorPart(info, 0, info.spec.numel, patch.tensors[n].indices, patch.tensors[n].delta)
+        for n, info in infos.items()
+    ]
+    return _shards(parts, patch_id, max_shard_bytes, name, compress)
+
+
+def _shards(
+    parts: Sequence[TensorPart], patch_id: str, max_shard_bytes: int, codec: Codec, compress: Compress
+) -> list[bytes]:
+    pieces = [piece for part in parts for piece in _pieces(part)]
     shards = _pack(pieces, max_shard_bytes, compress)
-    return [_serialise(shard, patch_id, i, len(shards), name, compress) for i, shard in enumerate(shards)]
+    return [_serialise(shard, patch_id, i, len(shards), codec, compress) for i, shard in enumerate(shards)]
+
+
+def _check_max_shard_bytes(max_shard_bytes: object) -> None:
+    if (
+        not isinstance(max_shard_bytes, int)
+        or isinstance(max_shard_bytes, bool)
+        or max_shard_bytes <= FIXED_HEADER_SIZE
+    ):
+        raise InvalidInput(f"max_shard_bytes must be an int > {FIXED_HEADER_SIZE}")
+
+
+def encode_parts(
+    parts: Sequence[TensorPart],
+    patch_id: str,
+    *,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    codec: str = DEFAULT_CODEC,
+    level: int | None = None,
+) -> list[bytes]:
+    """One writer's shards of a patch that several write: the entries of ``parts``, sorted
+    by (tensor, start) with no two of a tensor overlapping, each tensor described as its
+    ``info`` says (the whole tensor's change), under ``patch_id`` (:func:`compute_patch_id`
+    of every tensor of the whole patch). The shards are numbered ``0 .. n-1`` of ``n``:
+    their places among every writer's shards are the caller's to set (it rewrites the
+    header: ``patch``, ``shard``, ``shards``), as is that the parts of all writers tile
+    every tensor (FORMAT.md 3.4). ``codec`` is ``"zstd"`` or ``"lz4"``: the context codec
+    codes whole tensors against their base. Raises ``InvalidInput`` for parts a reader
+    would refuse, a context codec, or a limit too small to hold one element.
+    """
+    name = check_patch_codec(codec)
+    if name == CONTEXT_CODEC:
+        raise InvalidInput("the context codec codes whole tensors: encode_parts takes zstd or lz4")
+    _check_max_shard_bytes(max_shard_bytes)
+    previous: TensorPart | None = None
+    for part in parts:
+        if not isinstance(part, TensorPart):
+            raise InvalidInput(f"expected TensorPart objects, got {type(part)}")
+        part.validate()
+        if previous is not None and (previous.info.spec.name, previous.stop) > (part.info.spec.name, part.start):
+            raise InvalidInput(f"{part.info.spec.name}: parts must be sorted by (tensor, start) and not overlap")
+        previous = part
+    return _shards(parts, patch_id, max_shard_bytes, name, make_compressor(name, level))
 
 
 def encode_smallest(

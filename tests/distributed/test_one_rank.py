@@ -28,7 +28,7 @@ from bulletin.blocks import (
     part_fingerprint,
 )
 from bulletin.distributed import LocalShard, ShardedPublisher
-from bulletin.distributed.parts import RankLayout, plan_layout
+from bulletin.distributed.parts import RankLayout, plan_layout, run_parts
 from bulletin.distributed.shards import renumber
 from bulletin.errors import IncompatibleLayout, InvalidInput, StorageUnavailable
 from bulletin.run import Run
@@ -37,10 +37,10 @@ from patcher.cast import cast_bits
 from patcher.context_diff import SMALLEST, RankedDelta, diff_ranked
 from patcher.decode import decode
 from patcher.diff import diff
-from patcher.encode import encode
+from patcher.encode import encode, encode_parts
 from patcher.fingerprint import fingerprint
 from patcher.format import TensorInfo, compute_patch_id
-from patcher.patch import Patch, TensorSpec
+from patcher.patch import Patch, TensorDelta, TensorSpec
 from schemas.manifest import manifest_files
 from tests.run.helpers import ToyTrainer, assert_bits_equal
 from tests.run.test_ambiguous_commit import LostCommitResponse
@@ -393,3 +393,66 @@ def test_gpu_blocks_are_diffed_on_their_device(
     with Subscriber(tmp_path / "a", "r") as sub:
         assert sub.sync() == 8
         assert_bits_equal(sub.target.arrays, trainer.served())  # type: ignore[attr-defined]
+
+
+def test_the_plan_finds_the_tensors_whose_blocks_are_runs() -> None:
+    rows = [
+        _rank(r, {"rows": Block((8, 4), (4 * r, 0), (4, 4)), "cols": Block((8, 4), (0, 2 * r), (8, 2))})
+        for r in range(2)
+    ]
+    layout = plan_layout([*rows, _rank(2, {"whole": Block.whole((3, 2))})])
+    assert layout.runs == {"rows": ((0, 0, 16), (1, 16, 32)), "whole": ((2, 0, 6),)}  # "cols" interleaves
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_owners_parts_of_their_runs_are_one_patch(data: st.DataObject) -> None:
+    """Each owner encodes its run's changes (run_parts, encode_parts), whichever runs
+    have none; the shards of every rank, renumbered, decode to the whole tensors' patch."""
+    world = data.draw(st.integers(1, 4), label="world")
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), label="seed"))
+    shapes = {"a": (12, 5), "b": (9, 1), "c": (4, 3), "d": (6, 2)}
+    specs = {n: TensorSpec(n, "BF16", s) for n, s in shapes.items()}
+    held: list[dict[str, Block]] = [{} for _ in range(world)]
+    for name, (rows, cols) in shapes.items():
+        pieces = data.draw(st.integers(1, min(world, rows)), label=f"{name} pieces")
+        cuts = sorted(data.draw(st.sets(st.integers(1, rows - 1), min_size=pieces - 1, max_size=pieces - 1)))
+        owners = data.draw(st.permutations(range(world)), label=f"{name} owners")[:pieces]
+        for owner, lo, hi in zip(owners, [0, *cuts], [*cuts, rows], strict=True):
+            held[owner][name] = Block((rows, cols), (lo, 0), (hi - lo, cols))
+    layout = plan_layout([_rank(r, blocks) for r, blocks in enumerate(held)])
+    assert set(layout.runs) == set(specs)
+    old = {n: rng.integers(0, 2**16, size=s, dtype=np.uint16) for n, s in shapes.items()}
+    new = {n: v.copy() for n, v in old.items()}
+    for name, v in new.items():  # nothing, a few elements (often in one block alone), or many
+        flat = v.reshape(-1)
+        k = data.draw(st.sampled_from([0, 1, 2, flat.size // 2]), label=f"{name} changes")
+        flat[rng.choice(flat.size, k, replace=False)] += 1
+    whole = diff(specs, old, new)
+    infos = {
+        n: TensorInfo(td.spec, td.base_fingerprint, td.target_fingerprint, td.changed)
+        for n, td in whole.tensors.items()
+    }
+    counts: dict[str, dict[int, int]] = {}
+    encoded = []
+    for rank in range(world):
+        mine = {}
+        for name, block in layout.owned(rank).items():
+            first = contiguous_start(block)
+            assert first is not None
+            td = whole.tensors[name]
+            inside = (td.indices >= first) & (td.indices < first + block.numel)
+            mine[name] = TensorDelta(td.spec, td.indices[inside], td.delta[inside], 0, 0)
+            counts.setdefault(name, {})[rank] = int(inside.sum())
+        encoded.append(mine)
+    patch_id = compute_patch_id(infos)
+    written = [
+        encode_parts(run_parts(layout, rank, infos, counts, mine), patch_id, max_shard_bytes=600)
+        for rank, mine in enumerate(encoded)
+    ]
+    total = sum(map(len, written))
+    shards = [renumber(s, patch_id, i, total) for i, s in enumerate(s for part in written for s in part)]
+    got = decode(shards, specs=specs)
+    for name, td in whole.tensors.items():
+        assert got.tensors[name].target_fingerprint == td.target_fingerprint
+        assert (got.tensors[name].indices == td.indices).all() and (got.tensors[name].delta == td.delta).all()
