@@ -4,6 +4,7 @@ plain ``Publisher`` (what a sharded trainer does without ``ShardedPublisher``), 
 in the same run.
 
     python scripts/bench_sharded.py [--params 16e6] [--hidden 512] [--worlds 1,2,4] [--steps 3]
+                                    [--modes sharded,gather]
 
 Every job is fresh processes (gloo over a file store, local-directory store). The model:
 Llama-shaped FP32 matrices split by rows across ranks (FSDP2's ``Shard(0)``), each rank
@@ -165,6 +166,7 @@ def main() -> None:
     )
     parser.add_argument("--worlds", default="1,2,4")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--modes", default="sharded,gather", help="which jobs: sharded, gather (the baseline), or both")
     parser.add_argument("--rank", type=int)
     parser.add_argument("--world", type=int)
     parser.add_argument("--mode", choices=("sharded", "gather"))
@@ -190,7 +192,7 @@ def main() -> None:
     reference: float | None = None
     with tempfile.TemporaryDirectory(prefix="bench-sharded-") as scratch:
         for world in (int(w) for w in args.worlds.split(",")):
-            for mode in ("sharded", "gather"):
+            for mode in (m for m in ("sharded", "gather") if m in args.modes.split(",")):
                 os.sync()  # the job before's writes flushed now, not during this job's fsyncs
                 reports = job(mode, world, args, Path(scratch) / f"{mode}-{world}")
                 key = [max(r["steps"][0]["wall_s"] for r in reports)]
