@@ -1,4 +1,4 @@
-"""The interpreter's cyclic garbage collector, held off while a publish step runs.
+"""The interpreter's cyclic garbage collector, held off while a patch step runs.
 
 A step makes a few objects per tensor that live until it ends (changes, entries,
 descriptions). Each generation-1 collection that meets them promotes them, and once the
@@ -8,7 +8,9 @@ sharded job every other rank then waits for it at the next collective, so the mo
 the more steps one of them stalls. Held off, the step's temporaries are freed by their
 reference counts before any collection sees them; objects that outlive the step are
 collected as usual afterwards. Reference counting frees everything else meanwhile, so
-memory does not grow: only garbage cycles wait for the end of the step.
+memory does not grow: only garbage cycles (of every thread: the trainer's too) wait for
+the end of the step, which is why a keyframe step, minutes long for a large model, runs
+with the collector as it is.
 """
 
 from __future__ import annotations

@@ -580,8 +580,7 @@ class Publisher:
     def _step(self, snap: _Snap, *, background: bool = False) -> PublishResult:
         self._agreed = False
         try:
-            with collector_paused():
-                result = self._step_once(snap)
+            result = self._step_once(snap)
         except BaseException as exc:
             self._failure(exc)
             # One process, or a failure every rank met at the same agreement in a
@@ -624,7 +623,10 @@ class Publisher:
             raise InternalError("a keyframe version was diffed when its snapshot was taken")
         if keyframe:
             return self._keyframe_step(version, layout, snap, same_layout)
-        return self._patch_step(version, layout, snap)
+        # A patch step is short (O(its blocks)): the collector waits for its end. Not a
+        # keyframe's, which may run for minutes while the trainer's threads make garbage.
+        with collector_paused():
+            return self._patch_step(version, layout, snap)
 
     def _agree_layout(self, snap: _Snap) -> Layout:
         """The step's layout. Each rank first says only whether it holds the blocks of the

@@ -12,6 +12,7 @@ import pytest
 
 from bulletin import Publisher
 from bulletin.collector import collector_paused
+from bulletin.publisher import PHASES
 from tests.run.helpers import ToyTrainer
 
 
@@ -59,15 +60,17 @@ def test_a_collector_the_caller_disabled_stays_disabled() -> None:
 
 
 @pytest.mark.usefixtures("collector_on")
-def test_a_publish_step_runs_with_the_collector_held_off(tmp_path: Path) -> None:
-    seen: list[bool] = []
+def test_a_patch_step_runs_with_the_collector_held_off(tmp_path: Path) -> None:
+    seen: dict[tuple[int, str], bool] = {}
     trainer = ToyTrainer()
     with Publisher(tmp_path / "store", "r", keyframe_every=2, cache_dir=tmp_path / "cache") as pub:
-        pub._hook = lambda phase, version: seen.append(gc.isenabled())
+        pub._hook = lambda phase, version: seen.setdefault((version, phase), gc.isenabled())
         for _ in range(3):  # a keyframe, a patch, a keyframe with its patch
             pub.publish(trainer.state)
             trainer.step()
         with pytest.raises(Exception, match="expected a torch tensor"):
             pub.publish({"w": "not a tensor"})  # refused: the collector as it was
-    assert seen and not any(seen)
+    # The patch step (after the layout is agreed) holds it off; a keyframe step leaves it as it is.
+    assert {phase for (version, phase), on in seen.items() if version == 2 and not on} == set(PHASES) - {"layout"}
+    assert all(on for (version, _), on in seen.items() if version != 2)
     assert gc.isenabled()
