@@ -81,7 +81,7 @@ from bulletin.checkpoint import INDEX_NAME, Checkpoint, hf_index, plan_checkpoin
 from bulletin.collector import collector_paused
 from bulletin.distributed.comm import Comm
 from bulletin.distributed.keyframe_files import write_keyframe_files
-from bulletin.distributed.parts import Layout, RankLayout, plan_layout, run_parts
+from bulletin.distributed.parts import Layout, RankLayout, plan_layout, run_parts, tally, totals
 from bulletin.distributed.shards import renumber
 from bulletin.errors import (
     AccessDenied,
@@ -770,9 +770,9 @@ class Publisher:
                 base.device_only(set(owned) & set(snap.device))
         except BaseException as exc:
             error = exc
-        everyone = self._agree(error, "diffing its blocks", self._said(changes))
+        self._agree(error, "diffing its blocks")
         self._at("diffed", version)
-        patch_ref, fps = self._send_patch(version, layout, changes, everyone)
+        patch_ref, fps = self._send_patch(version, layout, changes)
         self._at("uploaded", version)
         parts = {name: change.delta.target_fingerprint for name, change in changes.items()}
         pending = _Pending(None, layout.owners, changes, None, parts, 0, snap.files.notes)
@@ -781,12 +781,6 @@ class Publisher:
         self._owners = layout.owners
         self._at("advanced", version)
         return self._result(stored, snap, uploaded)
-
-    def _said(self, changes: Mapping[str, BlockChanges]) -> dict[str, tuple[int, int]] | None:
-        """What this rank tells the others of its blocks' changes (several ranks): each
-        block's part of the fingerprint change and its changed count, O(blocks it owns),
-        so that every rank knows every tensor's whole change (:meth:`_parts`)."""
-        return {name: (c.part, c.delta.changed) for name, c in changes.items()} if self.world > 1 else None
 
     def _changes(self, name: str, snap: _Snap, served: str) -> BlockChanges:
         """The change of this rank's block of ``name``: found when the snapshot was taken
@@ -813,12 +807,11 @@ class Publisher:
         version: int,
         layout: Layout,
         changes: Mapping[str, BlockChanges],
-        said: list[dict[str, tuple[int, int]] | None],
     ) -> tuple[PatchRef, dict[str, int]]:
         """The patch's shards, encoded and uploaded by every rank (one rank: all of them,
         as its codec codes them; several: :meth:`_parts`), numbered in rank order as one
         patch. Returns the patch's reference and every tensor's new fingerprint (the same
-        on every rank); ``said``: every rank's parts of the change (several ranks)."""
+        on every rank)."""
         shards: list[bytes] = []
         codec = self.codec
         infos: dict[str, TensorInfo] = {}
@@ -835,7 +828,7 @@ class Publisher:
                 codec, shards = self._encode(Patch(deltas))
                 del deltas
             else:
-                infos, patch_id, shards = self._parts(version, layout, changes, said)
+                infos, patch_id, shards = self._parts(version, layout, changes)
         except BaseException as exc:
             error = exc
         counts = self._agree(error, "encoding its tensors", len(shards))
@@ -869,7 +862,6 @@ class Publisher:
         version: int,
         layout: Layout,
         changes: Mapping[str, BlockChanges],
-        said: list[dict[str, tuple[int, int]] | None],
     ) -> tuple[dict[str, TensorInfo], str, list[bytes]]:
         """Several ranks: every tensor's whole change (its parts summed: FORMAT.md's
         fingerprint is a sum over elements), the patch's id, and this rank's shards of it.
@@ -878,18 +870,13 @@ class Publisher:
         any other's changes go to its writer (one all-to-all, O(changed), only when the
         job has such tensors), which encodes the whole tensor."""
         base_fps = self._base.fingerprints
-        sums: dict[str, list[int]] = {name: [base_fps[name], 0] for name in layout.specs}
-        counts: dict[str, dict[int, int]] = {}
-        for rank, part in enumerate(said):
-            for name, (fpd, count) in (part or {}).items():
-                total = sums[name]
-                total[0], total[1] = (total[0] + fpd) & _MASK64, total[1] + count
-                counts.setdefault(name, {})[rank] = count
+        said = {name: (c.part, c.delta.changed) for name, c in changes.items()}
+        summed, busy = totals(layout, self._comm.add_up(tally(layout, self.rank, said)))
         infos = {
-            name: TensorInfo(layout.specs[name], base_fps[name], target, changed)
-            for name, (target, changed) in sorted(sums.items())
+            name: TensorInfo(layout.specs[name], base_fps[name], (base_fps[name] + part) & _MASK64, changed)
+            for name, (part, changed) in summed.items()
         }
-        parts = run_parts(layout, self.rank, infos, counts, {name: c.delta for name, c in changes.items()})
+        parts = run_parts(layout, self.rank, infos, busy, {name: c.delta for name, c in changes.items()})
         if len(layout.runs) < len(layout.specs):
             outgoing: list[list[_Sent]] = [[] for _ in range(self.world)]
             for name, change in changes.items():
@@ -986,13 +973,12 @@ class Publisher:
                 error = exc
             # Rank 0's attempt token names the keyframe's folder on every rank: a step that
             # failed half-way and runs again with other bits never meets the files it left.
-            said = self._said(changes)
-            everyone = self._agree(error, "reading its blocks", (parts, secrets.token_hex(4), said))
+            everyone = self._agree(error, "reading its blocks", (parts, secrets.token_hex(4)))
             self._at("diffed", version)
-            fps = _sums([part for part, _, _ in everyone])
+            fps = _sums([part for part, _ in everyone])
             patch_ref: PatchRef | None = None
             if same_layout:
-                patch_ref, _ = self._send_patch(version, layout, changes, [told for _, _, told in everyone])
+                patch_ref, _ = self._send_patch(version, layout, changes)
             else:
                 self._at("exchanged", version)
                 self._at("encoded", version)

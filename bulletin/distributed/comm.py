@@ -7,9 +7,10 @@ order (one version after another), so they cannot deadlock. Each carries a timeo
 a rank that died or hangs makes the others' collective raise, as
 :class:`~bulletin.errors.RankFailed`, instead of waiting for ever.
 
-What crosses is small: descriptions and statuses (objects, O(manifest)), changed
-elements (:meth:`Comm.exchange`, O(changed)), and at a keyframe the blocks of tensors
-no single rank holds whole (:meth:`Comm.send` / :meth:`Comm.recv`, one block at a time).
+What crosses is small: descriptions and statuses (objects, O(manifest)), one vector of
+sums (:meth:`Comm.add_up`, O(tensors)), changed elements of the tensors whose blocks are
+not runs (:meth:`Comm.exchange`, O(changed)), and at a keyframe the blocks of tensors no
+single rank holds whole (:meth:`Comm.send` / :meth:`Comm.recv`, one block at a time).
 """
 
 from __future__ import annotations
@@ -78,6 +79,22 @@ class Comm:
         except RuntimeError as exc:
             raise self._failed("a broadcast", exc) from exc
         return box[0]
+
+    def add_up(self, vector: NDArray[np.int64]) -> NDArray[np.int64]:
+        """The sum of every rank's ``vector`` (same length on every rank; int64, whose
+        sums the caller keeps from overflowing), on every rank: O(its length) whatever the
+        world size."""
+        if self.world == 1:
+            return vector
+        import torch
+        import torch.distributed as dist
+
+        summed = torch.from_numpy(np.array(vector, dtype=np.int64))  # a copy of its own, reduced in place
+        try:
+            dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=self.group)
+        except RuntimeError as exc:
+            raise self._failed("a sum", exc) from exc
+        return summed.numpy()
 
     def exchange(self, outgoing: list[Any]) -> list[Any]:
         """All-to-all: ``outgoing[r]`` (picklable, NumPy arrays inside are fine) goes to

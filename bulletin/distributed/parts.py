@@ -16,8 +16,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Final
 
 import numpy as np
+from numpy.typing import NDArray
 
 from bulletin.blocks import Block, contiguous_start
 from bulletin.errors import IncompatibleLayout
@@ -25,7 +27,10 @@ from patcher.encode import TensorPart
 from patcher.format import TensorInfo
 from patcher.patch import TensorDelta, TensorSpec
 
-__all__ = ["Layout", "RankLayout", "entry_ranges", "plan_layout", "run_parts"]
+__all__ = ["Layout", "RankLayout", "plan_layout", "run_parts", "tally", "totals"]
+
+Run = tuple[int, int, int]  # (owner, first flat index, stop)
+_MASK64: Final = (1 << 64) - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +60,8 @@ class Layout:
     #: name -> (owner, first flat index, stop) of each block, in order, for the tensors whose
     #: every block is one run of the tensor's elements: their owners encode their own runs.
     runs: dict[str, tuple[Run, ...]]
+    #: (name, owner) -> the run's place among all runs (tensor by tensor, in order).
+    run_slots: dict[tuple[str, int], int]
 
     def owned(self, rank: int) -> dict[str, Block]:
         """The blocks ``rank`` owns (diffs, keeps, sends to the tensor's writer)."""
@@ -72,42 +79,68 @@ class Layout:
         return ranks.pop()
 
 
-Run = tuple[int, int, int]  # (owner, first flat index, stop)
+def tally(layout: Layout, rank: int, said: Mapping[str, tuple[int, int]]) -> NDArray[np.int64]:
+    """``rank``'s share of the one vector every rank adds up (an all-reduce, O(tensors +
+    runs / 64) whatever the world size): for each tensor of the layout (by name) the low
+    and high 32 bits of its blocks' parts of the fingerprint change and their changed
+    count, from ``said`` (name -> (part, changed) of each block the rank owns); then a bit
+    per run of :attr:`Layout.runs` (in :attr:`Layout.run_slots` order) set where the run's
+    owner found a change. Each bit has one owner, so the sum of the words is their OR."""
+    names = sorted(layout.specs)
+    where = {name: i for i, name in enumerate(names)}
+    runs = len(layout.run_slots)
+    vector = np.zeros(3 * len(names) + -(-runs // 64), dtype=np.int64)
+    flags = np.zeros(-(-runs // 64) * 64, dtype=np.bool_)
+    for name, (part, changed) in said.items():
+        i = 3 * where[name]
+        vector[i], vector[i + 1], vector[i + 2] = part & 0xFFFFFFFF, part >> 32, changed
+        slot = layout.run_slots.get((name, rank))
+        if slot is not None and changed:
+            flags[slot] = True
+    vector[3 * len(names) :] = np.packbits(flags, bitorder="little").view(np.int64)
+    return vector
 
 
-def entry_ranges(runs: Sequence[Run], counts: Mapping[int, int], numel: int) -> list[Run]:
-    """Where each owner's entries of a tensor lie: ``(owner, start, stop)`` for each run
-    of ``runs`` (:attr:`Layout.runs`) whose owner found changes in it (``counts``: owner ->
-    changed elements), stretched over the runs without a change after it (the first from
-    0, the last to ``numel``), so that the ranges tile ``[0, numel)`` as a patch's entries
-    must (docs/FORMAT.md 3.4). Empty when nothing changed: the tensor's writer then
-    describes it by one empty entry."""
-    busy = [(owner, first) for owner, first, _ in runs if counts.get(owner, 0)]
-    stops = [first for _, first in busy[1:]] + [numel] if busy else []
-    return [(owner, first if i else 0, stop) for i, ((owner, first), stop) in enumerate(zip(busy, stops, strict=True))]
+def totals(layout: Layout, summed: NDArray[np.int64]) -> tuple[dict[str, tuple[int, int]], NDArray[np.bool_]]:
+    """Every tensor's (fingerprint change, changed count) and every run's flag, from the
+    sum of every rank's :func:`tally`."""
+    names = sorted(layout.specs)
+    sums = summed[: 3 * len(names)].reshape(-1, 3).tolist()
+    changes = {name: ((lo + (hi << 32)) & _MASK64, n) for name, (lo, hi, n) in zip(names, sums, strict=True)}
+    flags = np.unpackbits(summed[3 * len(names) :].view(np.uint8), bitorder="little").view(np.bool_)
+    return changes, flags[: len(layout.run_slots)]
 
 
 def run_parts(
     layout: Layout,
     rank: int,
     infos: Mapping[str, TensorInfo],
-    counts: Mapping[str, Mapping[int, int]],
+    busy: NDArray[np.bool_],
     changes: Mapping[str, TensorDelta],
 ) -> list[TensorPart]:
-    """What ``rank`` encodes of the tensors split by runs: its change of each, over its
-    :func:`entry_ranges` (``infos``: every tensor's whole change; ``counts``: each
-    tensor's changed elements by owner; ``changes``: this rank's, in global indices),
-    and one empty entry of each unchanged tensor it writes."""
+    """What ``rank`` encodes of the tensors split by runs (``infos``: every tensor's whole
+    change; ``busy``: every run's flag, :func:`totals`; ``changes``: this rank's, in
+    global indices): the change of each run it owns where it found one, its entries
+    stretched over the runs without a change after it (the first changed run's from 0,
+    the last's to ``numel``), so that a tensor's entries from every rank tile ``[0,
+    numel)`` as a patch's must (docs/FORMAT.md 3.4); and one empty entry for each
+    unchanged tensor it writes."""
     parts: list[TensorPart] = []
     for name, runs in layout.runs.items():
         info = infos[name]
-        ranges = entry_ranges(runs, counts.get(name, {}), info.spec.numel)
-        if not ranges and layout.writers[name] == rank:
-            nothing = np.empty(0, np.int64)
-            parts.append(TensorPart(info, 0, info.spec.numel, nothing, nothing.astype(info.spec.bits_dtype)))
-        for owner, start, stop in ranges:
-            if owner == rank:
-                parts.append(TensorPart(info, start, stop, changes[name].indices, changes[name].delta))
+        if info.changed == 0:
+            if layout.writers[name] == rank:
+                nothing = np.empty(0, np.int64)
+                parts.append(TensorPart(info, 0, info.spec.numel, nothing, nothing.astype(info.spec.bits_dtype)))
+            continue
+        slot = layout.run_slots.get((name, rank))
+        if slot is None or not busy[slot]:
+            continue
+        first = layout.run_slots[(name, runs[0][0])]
+        after = np.flatnonzero(busy[slot + 1 : first + len(runs)])
+        stop = runs[slot - first + 1 + int(after[0])][1] if after.size else info.spec.numel
+        start = runs[slot - first][1] if busy[first:slot].any() else 0
+        parts.append(TensorPart(info, start, stop, changes[name].indices, changes[name].delta))
     return parts
 
 
@@ -158,4 +191,6 @@ def plan_layout(ranks: Sequence[RankLayout]) -> Layout:
         ranged = [(start, rank, n) for start, rank, n in found if start is not None]
         if len(ranged) == len(found):
             runs[name] = tuple((rank, start, start + n) for start, rank, n in sorted(ranged))
-    return Layout(specs, owners, writers, aliases, runs)
+    every_run = ((name, owner) for name, tensor in runs.items() for owner, _, _ in tensor)
+    slots = {key: slot for slot, key in enumerate(every_run)}
+    return Layout(specs, owners, writers, aliases, runs, slots)

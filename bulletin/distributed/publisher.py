@@ -12,9 +12,11 @@ reading of a rank's part of the state dict. Each rank diffs the blocks it owns a
 its kept bits of the last committed version (the :class:`~bulletin.base.PublishedBase`,
 holding the rank's blocks: memory-mapped in a cache folder per rank, verified against
 the run when the job starts; a CUDA block of a synchronous publish on its device, where
-only the change leaves the GPU), sends each change (global indices and deltas,
-O(changed)) to the tensor's writer rank, which encodes the tensor's entries; the shards
-are renumbered into one patch, each rank uploads its own, rank 0 creates the manifest
+only the change leaves the GPU); the ranks add up their blocks' parts of every tensor's
+change (one all-reduce, O(tensors)); each rank encodes the entries of the blocks it owns
+that are runs of their tensor (whole tensors, ``Shard(0)``), and sends its other changes
+(global indices and deltas, O(changed)) to the tensor's writer rank, which encodes that
+tensor's entries; the shards are renumbered into one patch, each rank uploads its own, rank 0 creates the manifest
 (the commit point) and broadcasts the outcome; only then does any rank's base move. A
 step that fails on any rank commits nothing anywhere.
 """

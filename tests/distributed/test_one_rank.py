@@ -28,7 +28,7 @@ from bulletin.blocks import (
     part_fingerprint,
 )
 from bulletin.distributed import LocalShard, ShardedPublisher
-from bulletin.distributed.parts import RankLayout, plan_layout, run_parts
+from bulletin.distributed.parts import RankLayout, plan_layout, run_parts, tally, totals
 from bulletin.distributed.shards import renumber
 from bulletin.errors import IncompatibleLayout, InvalidInput, StorageUnavailable
 from bulletin.run import Run
@@ -39,6 +39,7 @@ from patcher.decode import decode
 from patcher.diff import diff
 from patcher.encode import encode, encode_parts
 from patcher.fingerprint import fingerprint
+from patcher.fingerprint_update import fingerprint_change
 from patcher.format import TensorInfo, compute_patch_id
 from patcher.patch import Patch, TensorDelta, TensorSpec
 from schemas.manifest import manifest_files
@@ -402,6 +403,7 @@ def test_the_plan_finds_the_tensors_whose_blocks_are_runs() -> None:
     ]
     layout = plan_layout([*rows, _rank(2, {"whole": Block.whole((3, 2))})])
     assert layout.runs == {"rows": ((0, 0, 16), (1, 16, 32)), "whole": ((2, 0, 6),)}  # "cols" interleaves
+    assert layout.run_slots == {("rows", 0): 0, ("rows", 1): 1, ("whole", 2): 2}
 
 
 @settings(max_examples=60, deadline=None)
@@ -429,26 +431,32 @@ def test_owners_parts_of_their_runs_are_one_patch(data: st.DataObject) -> None:
         k = data.draw(st.sampled_from([0, 1, 2, flat.size // 2]), label=f"{name} changes")
         flat[rng.choice(flat.size, k, replace=False)] += 1
     whole = diff(specs, old, new)
-    infos = {
-        n: TensorInfo(td.spec, td.base_fingerprint, td.target_fingerprint, td.changed)
-        for n, td in whole.tensors.items()
-    }
-    counts: dict[str, dict[int, int]] = {}
-    encoded = []
+    # Each rank's share of the sum, as the step makes it: its blocks' parts and counts.
+    changes: list[dict[str, TensorDelta]] = []
+    shares = []
     for rank in range(world):
-        mine = {}
+        mine, said = {}, {}
         for name, block in layout.owned(rank).items():
             first = contiguous_start(block)
             assert first is not None
             td = whole.tensors[name]
             inside = (td.indices >= first) & (td.indices < first + block.numel)
+            was = old[name].reshape(-1)[td.indices[inside]]
+            part = fingerprint_change(td.indices[inside], was, was + td.delta[inside])
             mine[name] = TensorDelta(td.spec, td.indices[inside], td.delta[inside], 0, 0)
-            counts.setdefault(name, {})[rank] = int(inside.sum())
-        encoded.append(mine)
+            said[name] = (part, int(inside.sum()))
+        changes.append(mine)
+        shares.append(tally(layout, rank, said))
+    summed, busy = totals(layout, np.sum(shares, axis=0))
+    infos = {}
+    for name, td in whole.tensors.items():  # the parts add up to every tensor's whole change
+        part, changed = summed[name]
+        assert ((td.base_fingerprint + part) & (2**64 - 1), changed) == (td.target_fingerprint, td.changed)
+        infos[name] = TensorInfo(td.spec, td.base_fingerprint, td.target_fingerprint, td.changed)
     patch_id = compute_patch_id(infos)
     written = [
-        encode_parts(run_parts(layout, rank, infos, counts, mine), patch_id, max_shard_bytes=600)
-        for rank, mine in enumerate(encoded)
+        encode_parts(run_parts(layout, rank, infos, busy, mine), patch_id, max_shard_bytes=600)
+        for rank, mine in enumerate(changes)
     ]
     total = sum(map(len, written))
     shards = [renumber(s, patch_id, i, total) for i, s in enumerate(s for part in written for s in part)]
