@@ -814,23 +814,31 @@ class Publisher:
         on every rank)."""
         shards: list[bytes] = []
         codec = self.codec
-        infos: dict[str, TensorInfo] = {}
         patch_id = ""
         error: BaseException | None = None
-        try:
-            if self.world == 1:
-                self._at("exchanged", version)  # nothing to exchange
-                deltas = {name: change.delta for name, change in changes.items()}  # as diffed (ranked, maybe)
-                infos = {
-                    name: TensorInfo(td.spec, td.base_fingerprint, td.target_fingerprint, td.changed)
-                    for name, td in deltas.items()
-                }
-                codec, shards = self._encode(Patch(deltas))
-                del deltas
-            else:
-                infos, patch_id, shards = self._parts(version, layout, changes)
-        except BaseException as exc:
-            error = exc
+        if self.world == 1:
+            self._at("exchanged", version)  # nothing to exchange
+            deltas = {name: change.delta for name, change in changes.items()}  # as diffed (ranked, maybe)
+            infos = {
+                name: TensorInfo(td.spec, td.base_fingerprint, td.target_fingerprint, td.changed)
+                for name, td in deltas.items()
+            }
+            try:
+                if deltas:
+                    codec, shards = self._encode(Patch(deltas))
+            except BaseException as exc:
+                error = exc
+            del deltas
+        else:
+            infos, parts = self._parts(version, layout, changes)  # collectives: every rank alike
+            try:
+                patch_id = compute_patch_id(infos)
+                codec = check_patch_codec(self.codec)
+                if parts:  # a rank with nothing to write writes no shard
+                    shards = encode_parts(parts, patch_id, max_shard_bytes=self.max_shard_bytes, codec=codec)
+            except BaseException as exc:
+                error = exc
+            del parts
         counts = self._agree(error, "encoding its tensors", len(shards))
         self._at("encoded", version)
         refs: list[ObjectRef] = []
@@ -862,9 +870,9 @@ class Publisher:
         version: int,
         layout: Layout,
         changes: Mapping[str, BlockChanges],
-    ) -> tuple[dict[str, TensorInfo], str, list[bytes]]:
+    ) -> tuple[dict[str, TensorInfo], list[TensorPart]]:
         """Several ranks: every tensor's whole change (its parts summed: FORMAT.md's
-        fingerprint is a sum over elements), the patch's id, and this rank's shards of it.
+        fingerprint is a sum over elements), and what this rank encodes of the patch.
         A tensor whose blocks are runs of it (:attr:`Layout.runs`) is encoded by its
         owners, each the entries of its run (:func:`~bulletin.distributed.parts.run_parts`);
         any other's changes go to its writer (one all-to-all, O(changed), only when the
@@ -889,9 +897,7 @@ class Publisher:
             del incoming
         self._at("exchanged", version)
         parts.sort(key=lambda part: (part.info.spec.name, part.start))
-        patch_id = compute_patch_id(infos)
-        codec = check_patch_codec(self.codec)
-        return infos, patch_id, encode_parts(parts, patch_id, max_shard_bytes=self.max_shard_bytes, codec=codec)
+        return infos, parts
 
     def _merge(self, layout: Layout, incoming: list[list[_Sent]]) -> dict[str, TensorDelta]:
         """The whole change of each tensor this rank writes that is not split by runs, from
