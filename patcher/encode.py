@@ -12,6 +12,10 @@ compresses, and gives entries back (or cuts one) when a shard comes out too larg
 size check counts the header uncompressed with the shard index and count at 20 digits,
 so the final shard, whose header can only be shorter, never exceeds the limit. Output is
 deterministic: the same patch, codec, level and library versions give the same bytes.
+
+:func:`encode_parts` is the same writer for one of several writers of a patch (the
+ranks of a sharded trainer): it encodes the ranges of tensors it is given
+(:class:`TensorPart`), and the caller numbers every writer's shards into one patch.
 """
 
 from __future__ import annotations
