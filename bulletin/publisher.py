@@ -145,8 +145,8 @@ _ONE_FILE: Final = 1 << 62
 PHASES: Final = ("layout", "diffed", "exchanged", "encoded", "uploaded", "manifest", "committed", "advanced")
 
 Bits = NDArray[np.unsignedinteger]
-#: What a tensor's change travels to its writer as: name, global indices, deltas, part.
-_Sent = tuple[str, NDArray[np.int64], Bits, int]
+#: What a tensor's change travels to its writer as: name, global indices, deltas.
+_Sent = tuple[str, NDArray[np.int64], Bits]
 
 
 @dataclass(slots=True)
@@ -889,38 +889,35 @@ class Publisher:
             outgoing: list[list[_Sent]] = [[] for _ in range(self.world)]
             for name, change in changes.items():
                 if name not in layout.runs:
-                    outgoing[layout.writers[name]].append((name, change.delta.indices, change.delta.delta, change.part))
+                    outgoing[layout.writers[name]].append((name, change.delta.indices, change.delta.delta))
             incoming = self._comm.exchange(outgoing)
             del outgoing
-            for name, td in self._merge(layout, incoming).items():
-                parts.append(TensorPart(infos[name], 0, td.spec.numel, td.indices, td.delta))
+            parts += self._merge(layout, incoming, infos)
             del incoming
         self._at("exchanged", version)
         parts.sort(key=lambda part: (part.info.spec.name, part.start))
         return infos, parts
 
-    def _merge(self, layout: Layout, incoming: list[list[_Sent]]) -> dict[str, TensorDelta]:
+    def _merge(self, layout: Layout, incoming: list[list[_Sent]], infos: Mapping[str, TensorInfo]) -> list[TensorPart]:
         """The whole change of each tensor this rank writes that is not split by runs, from
-        every owner's part."""
-        base_fps = self._base.fingerprints
-        parts: dict[str, list[tuple[NDArray[np.int64], Bits, int]]] = {}
+        every owner's part (``infos``: every tensor's whole change, summed already)."""
+        parts: dict[str, list[tuple[NDArray[np.int64], Bits]]] = {}
         for sent in incoming:
-            for name, gidx, delta, fpd in sent:
-                parts.setdefault(name, []).append((gidx, delta, fpd))
-        deltas: dict[str, TensorDelta] = {}
+            for name, gidx, delta in sent:
+                parts.setdefault(name, []).append((gidx, delta))
+        merged: list[TensorPart] = []
         for name in layout.written(self.rank):
             if name in layout.runs:
                 continue
-            spec = layout.specs[name]
+            info = infos[name]
             got = parts.get(name, [])
-            indices = np.concatenate([g for g, _, _ in got]) if got else np.empty(0, np.int64)
-            delta = np.concatenate([d for _, d, _ in got]) if got else np.empty(0, spec.bits_dtype)
+            indices = np.concatenate([g for g, _ in got]) if got else np.empty(0, np.int64)
+            delta = np.concatenate([d for _, d in got]) if got else np.empty(0, info.spec.bits_dtype)
             if indices.size > 1 and not bool(np.all(indices[1:] > indices[:-1])):
                 order = np.argsort(indices, kind="stable")  # blocks of a Shard(1) interleave
                 indices, delta = indices[order], delta[order]
-            target = (base_fps[name] + sum(fpd for _, _, fpd in got)) & _MASK64
-            deltas[name] = TensorDelta(spec, indices.astype(np.int64, copy=False), delta, base_fps[name], target)
-        return deltas
+            merged.append(TensorPart(info, 0, info.spec.numel, indices.astype(np.int64, copy=False), delta))
+        return merged
 
     def _encode(self, patch: Patch) -> tuple[str, list[bytes]]:
         """The patch's shards and codec: the context codec codes against the base (a

@@ -297,12 +297,9 @@ def _infos(patch: Patch) -> dict[str, TensorInfo]:
         td = patch.tensors[name]
         if not isinstance(td, TensorDelta):
             raise InvalidInput(f"patch[{name!r}] is not a TensorDelta")
-        td.validate()
-        if td.spec.numel > MAX_NUMEL:
-            raise InvalidInput(f"{name}: {td.spec.numel} elements cannot be indexed by int64")
-        if td.changed == 0 and td.base_fingerprint != td.target_fingerprint:
-            raise InvalidInput(f"{name}: unchanged tensor with different base and target")
-        infos[name] = TensorInfo(td.spec, td.base_fingerprint, td.target_fingerprint, td.changed)
+        info = TensorInfo(td.spec, td.base_fingerprint, td.target_fingerprint, td.changed)
+        TensorPart(info, 0, td.spec.numel, td.indices, td.delta).validate()  # all of it
+        infos[name] = info
     return infos
 
 
