@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from kernels.dispatch import as_bits, backend_for, dtype_name
+from bulletin_kernels.dispatch import as_bits, backend_for, dtype_name
 from patcher.dtypes import FLOAT_DTYPES
 from patcher.patch import Change, HostChange, TensorSpec
 

@@ -34,7 +34,7 @@ from numpy.typing import NDArray
 from bulletin.device_kept import on_gpu
 from bulletin.engines.torch_module import torch_dtype
 from bulletin.errors import InternalError, InvalidInput, UnsupportedDtype
-from kernels.dispatch import as_bits, dtype_name, torch_reading
+from bulletin_kernels.dispatch import as_bits, dtype_name, torch_reading
 from patcher.cast import cast_bits
 from patcher.dtypes import FLOAT_DTYPES, SERVED_FLOAT_DTYPES
 from patcher.names import check_tensor_name

@@ -1,7 +1,7 @@
 """Exact casts from training precision to the served dtype, on bits, in NumPy (which
 defines them) with a compiled twin (patcher.native).
 
-This is the CPU twin of the GPU cast in ``kernels/common.cuh``: both are written with
+This is the CPU twin of the GPU cast in ``kernels/bulletin_kernels/common.cuh``: both are written with
 integer operations only, so they agree bit for bit with each other on every input and
 with ``torch``'s round-to-nearest-even on every non-NaN input.
 

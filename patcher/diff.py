@@ -57,7 +57,7 @@ CAST_CHUNK: Final = 1 << 20
 def checked_bits_view(array: object, spec: TensorSpec, role: str) -> NDArray[np.unsignedinteger]:
     """A view of NumPy ``array`` as the spec's bits dtype, checked against ``spec``.
 
-    What it adds to a plain bits view (``kernels.as_bits``, the one zero-copy view of
+    What it adds to a plain bits view (``bulletin_kernels.as_bits``, the one zero-copy view of
     any tensor): the element width and shape must be the spec's (``IncompatibleTensors``),
     and the dtype must hold plain native-order bits in C order (``InvalidInput``);
     ``role`` names the array in the messages.

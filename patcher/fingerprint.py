@@ -15,7 +15,7 @@ element always changes the fingerprint; several wrong elements cancel only by a
 not against an adversary: shard and keyframe bytes are covered by SHA-256.
 
 The exact definition is normative (docs/FORMAT.md); this NumPy form defines it, and the
-compiled fast path (patcher.native) and the CUDA kernels (kernels/fingerprint.cu)
+compiled fast path (patcher.native) and the CUDA kernels (kernels/bulletin_kernels/fingerprint.cu)
 compute it bit for bit.
 """
 

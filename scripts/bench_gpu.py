@@ -17,7 +17,7 @@ what it measured; a section that fails records its error and the next one runs):
   GPU gap decoding alternative (gaps host-to-device + ``decode_gaps``); and the same
   patch in the context codec: CPU encode against the base, CPU entropy stage, classes,
   ranks and deltas host-to-device, select + scatter + fingerprint (``apply_ranks``).
-- ``select``: the context codec's pass over the base (``select_ranks``, kernels/select.cu)
+- ``select``: the context codec's pass over the base (``select_ranks``, kernels/bulletin_kernels/select.cu)
   on 1e9 BF16 elements with 0.35 % of them queried, and the same fused with the
   scatter-add and fingerprint change (``apply_ranks``), in GB/s of base, against a
   device copy of the base in the same run.
@@ -50,9 +50,9 @@ from numpy.typing import NDArray
 ROOT: Final = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kernels import numpy_twin  # noqa: E402
-from kernels.dispatch import Backend  # noqa: E402
-from kernels.types import BitsArray, IndexArray  # noqa: E402
+from bulletin_kernels import numpy_twin  # noqa: E402
+from bulletin_kernels.dispatch import Backend  # noqa: E402
+from bulletin_kernels.types import BitsArray, IndexArray  # noqa: E402
 from patcher.context_decode import decode_changes  # noqa: E402
 from patcher.decode import decode, read_shard_header  # noqa: E402
 from patcher.encode import encode  # noqa: E402
@@ -104,7 +104,7 @@ class Device:
             return
         import cupy
 
-        from kernels import cuda
+        from bulletin_kernels import cuda
 
         self.xp = cupy
         self.backend = cuda

@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
 """CI compile check of the CUDA kernels: no GPU needed, only nvcc (and NVRTC if present).
 
-For every kernels/<name>.cu, takes exactly the text that kernels/cuda.py hands to NVRTC
-at run time (common.cuh pasted in, no include path) and
+For every kernels/bulletin_kernels/<name>.cu, takes exactly the text that
+kernels/bulletin_kernels/cuda.py hands to NVRTC at run time (common.cuh pasted in, no
+include path) and
 
 - compiles it with nvcc for sm_90, warnings as errors in the front end and in ptxas
   (register spills included), and checks that the PTX defines every kernel
-  kernels/cuda.py launches;
+  kernels/bulletin_kernels/cuda.py launches;
 - if an NVRTC library is found (``--nvrtc``, ``$BULLETIN_NVRTC``, the CUDA toolkit, or
   the ``nvidia-cuda-nvrtc`` wheel), compiles it with NVRTC too, as CuPy does, under
   C++11, C++14 and C++17 (CuPy's default standard differs by version); any warning
@@ -35,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels.cuda import KERNEL_DIR, KERNEL_ENTRIES, KERNEL_FILES, kernel_source
+from bulletin_kernels.cuda import KERNEL_DIR, KERNEL_ENTRIES, KERNEL_FILES, kernel_source
 
 _ENTRY = re.compile(r"^\.visible \.entry (\w+)\(", re.MULTILINE)
 _INCLUDE = re.compile(r"^\s*#\s*include\b", re.MULTILINE)
@@ -62,7 +63,11 @@ def compile_nvcc(nvcc: str, arch: str, name: str, source: str, workdir: Path) ->
         if result.returncode != 0:
             return (result.stdout + result.stderr).strip()
     missing = _missing_entries(name, ptx.read_text(encoding="utf-8"))
-    return f"kernels launched by kernels/cuda.py but not defined: {', '.join(missing)}" if missing else None
+    return (
+        f"kernels launched by kernels/bulletin_kernels/cuda.py but not defined: {', '.join(missing)}"
+        if missing
+        else None
+    )
 
 
 class Nvrtc:
@@ -147,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     on_disk = sorted(p.stem for p in KERNEL_DIR.glob("*.cu"))
     failures = 0
     if on_disk != sorted(KERNEL_FILES):
-        print(f"FAIL kernels/*.cu is {on_disk}, kernels.cuda.KERNEL_FILES {sorted(KERNEL_FILES)}")
+        print(f"FAIL {KERNEL_DIR}/*.cu is {on_disk}, bulletin_kernels.cuda.KERNEL_FILES {sorted(KERNEL_FILES)}")
         failures += 1
     with tempfile.TemporaryDirectory(prefix="bulletin-kernels-") as tmp:
         for name in KERNEL_FILES:
@@ -162,10 +167,11 @@ def main(argv: list[str] | None = None) -> int:
             took = time.perf_counter() - started
             compilers = "nvcc" if nvrtc is None else f"nvcc + NVRTC {nvrtc.version} ({'/'.join(_STANDARDS)})"
             kernels = len(KERNEL_ENTRIES[name])
+            shown = f"kernels/bulletin_kernels/{name}.cu"
             if error is None:
-                print(f"ok   kernels/{name}.cu ({args.arch}, {compilers}, {took:.1f} s): {kernels} kernels")
+                print(f"ok   {shown} ({args.arch}, {compilers}, {took:.1f} s): {kernels} kernels")
             else:
-                print(f"FAIL kernels/{name}.cu ({args.arch}, {compilers}):\n{error}")
+                print(f"FAIL {shown} ({args.arch}, {compilers}):\n{error}")
                 failures += 1
     if nvrtc is None:
         print("check_kernels: no libnvrtc found (--nvrtc, $BULLETIN_NVRTC); NVRTC compile skipped")

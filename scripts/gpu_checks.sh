@@ -22,7 +22,8 @@ if [[ -n "${BULLETIN_WHEELS:-}" ]]; then
     "$py" -m pip install -q --no-index --no-deps --no-compile --target /tmp/bulletin-site "$BULLETIN_WHEELS"/*.whl
     export PYTHONPATH="/tmp/bulletin-site:${PYTHONPATH:-}"
 fi
-export PYTHONPATH="$repo:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
+# bulletin_kernels lives in kernels/ (docs/ARCHITECTURE.md, the kernels' name).
+export PYTHONPATH="$repo:$repo/kernels:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
 status=0
 "$py" -m pytest -m gpu -p no:cacheprovider -q -o addopts="" --junitxml="$out/gpu-tests.xml" \

@@ -12,7 +12,7 @@ Checked there:
 - backticked dotted names rooted in a package (``bulletin.run``, ``patcher.native.disabled()``):
   the module exists, and so does each attribute named after it.
 
-URLs, globs (``kernels/*.cu``) and placeholders (``v<major>/``, ``<dir>``) are skipped.
+URLs, globs (``kernels/bulletin_kernels/*.cu``) and placeholders (``v<major>/``, ``<dir>``) are skipped.
 """
 
 from __future__ import annotations
@@ -37,8 +37,10 @@ DOCUMENTS = sorted(
         ROOT / "setup.py",
     ]
 )
-PACKAGES = ("bulletin", "patcher", "kernels", "schemas")
-TOP_LEVEL = (*PACKAGES, "docs", "scripts", "tests", "localstack", ".ci")
+PACKAGES = ("bulletin", "patcher", "bulletin_kernels", "schemas")
+#: Where a package's source lies when that is not ``ROOT / name`` (docs/ARCHITECTURE.md).
+SOURCES = {"bulletin_kernels": ROOT / "kernels" / "bulletin_kernels"}
+TOP_LEVEL = ("bulletin", "patcher", "kernels", "schemas", "docs", "scripts", "tests", "localstack", ".ci")
 #: Endings of the file names worth checking when named alone (a ``.json`` named alone is
 #: mostly a file the code writes at run time, such as a journal).
 FILE_ENDINGS = (".py", ".pyi", ".c", ".h", ".cu", ".hpp", ".sh", ".md", ".toml")
@@ -108,7 +110,7 @@ def _references(doc: Path) -> Iterator[tuple[str, str]]:
 def _dotted(name: str) -> str | None:
     """Why ``name`` (a module, then attributes) does not resolve; ``None`` when it does."""
     parts = name.split(".")
-    path = ROOT / parts[0]
+    path = SOURCES.get(parts[0], ROOT / parts[0])
     module = parts[0]
     rest = parts[1:]
     while rest:
@@ -141,7 +143,7 @@ def test_the_scanner_finds_what_it_should(tmp_path: Path) -> None:
     doc = tmp_path / "doc.md"
     doc.write_text(
         "[a](missing.md) [b](https://example.com/x) [c](#anchor) see scripts/nothing.py and "
-        "`tests/golden/v<major>/`, `kernels/*.cu`, `bulletin/chain.py`, `layout.py`, `README.md`, "
+        "`tests/golden/v<major>/`, `kernels/bulletin_kernels/*.cu`, `bulletin/chain.py`, `layout.py`, `README.md`, "
         "`bulletin.chain`, `bulletin.run`, `patcher.native.disabled()`, `patcher.native.nothing`.\n",
         encoding="utf-8",
     )

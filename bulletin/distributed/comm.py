@@ -23,7 +23,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from bulletin.errors import RankFailed
-from kernels.dispatch import torch_reading
+from bulletin_kernels.dispatch import torch_reading
 
 __all__ = ["Comm"]
 

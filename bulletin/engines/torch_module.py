@@ -8,10 +8,10 @@ changes the changed elements of the very storage the forward pass reads, so the 
 an update causes is proportional to the number of changed elements, not to the model.
 
 - CPU tensors are patched through zero-copy NumPy views of their bits
-  (:func:`kernels.dispatch.as_bits`: ``tensor.view(torch.uint16).numpy()`` for BF16):
+  (:func:`bulletin_kernels.dispatch.as_bits`: ``tensor.view(torch.uint16).numpy()`` for BF16):
   the new bits and their fingerprints are computed and verified with NumPy before
   anything is written, then scattered into the same memory;
-- CUDA tensors are patched by the CUDA kernels (:func:`kernels.dispatch.backend_for`)
+- CUDA tensors are patched by the CUDA kernels (:func:`bulletin_kernels.dispatch.backend_for`)
   on zero-copy CuPy views of the same storage, which add and fingerprint in one pass.
 
 Both paths produce the same bits and the same fingerprints (patcher.fingerprint).
@@ -49,7 +49,7 @@ from bulletin.errors import (
     WrongBase,
 )
 from bulletin.target import Held, WeightTarget
-from kernels.dispatch import DTYPE_NAMES, torch_reading
+from bulletin_kernels.dispatch import DTYPE_NAMES, torch_reading
 from patcher.context_decode import CodedChanges, needs_base, resolve_transition
 from patcher.context_decode import resolve as entry_indices
 from patcher.fingerprint import fingerprint, fingerprint_rows, format_fingerprint
@@ -61,7 +61,7 @@ from patcher.patch import Patch, TensorDelta, TensorSpec, check_names
 if TYPE_CHECKING:
     import torch
 
-    from kernels.dispatch import Backend
+    from bulletin_kernels.dispatch import Backend
 
 __all__ = [
     "TORCH_DTYPE_NAMES",
@@ -328,7 +328,7 @@ class _Slot:
     __slots__ = ("backend", "bits", "device", "spec", "tensor", "where")
 
     def __init__(self, tensor: torch.Tensor, spec: TensorSpec, where: GlobalIndex | None = None) -> None:
-        from kernels.dispatch import as_bits, backend_for
+        from bulletin_kernels.dispatch import as_bits, backend_for
 
         self.tensor = tensor
         self.spec = spec

@@ -1,8 +1,8 @@
-"""Run the real CUDA kernel sources on the CPU: a ``Runtime`` for kernels/cuda.py.
+"""Run the real CUDA kernel sources on the CPU: a ``Runtime`` for kernels/bulletin_kernels/cuda.py.
 
-Each ``kernels/<name>.cu`` (exactly the text NVRTC gets, from ``kernel_source``) is
+Each ``kernels/bulletin_kernels/<name>.cu`` (exactly the text NVRTC gets, from ``kernel_source``) is
 compiled with g++ against ``cuda_emulator.hpp`` and UndefinedBehaviorSanitizer, and
-launched through the same launch logic as on a GPU (``kernels.cuda._diff_cast`` etc.),
+launched through the same launch logic as on a GPU (``bulletin_kernels.cuda._diff_cast`` etc.),
 with NumPy as the array module. It checks the kernels' arithmetic, ordering,
 boundary and alignment handling and the warp-level protocol; it says nothing about
 speed, the memory model of a real GPU, or NVRTC itself.
@@ -26,7 +26,7 @@ from typing import Any, Final, TypeVar
 import numpy as np
 from numpy.typing import NDArray
 
-from kernels.cuda import KERNEL_ENTRIES, KERNEL_FILES, kernel_source
+from bulletin_kernels.cuda import KERNEL_ENTRIES, KERNEL_FILES, kernel_source
 
 __all__ = ["EmulatorRuntime", "Placed", "build_emulator", "compiler", "isolated"]
 
@@ -85,7 +85,7 @@ def build_emulator(workdir: Path) -> dict[str, ctypes.CDLL]:
 
 
 class EmulatorRuntime:
-    """``kernels.cuda.Runtime`` on the CPU: NumPy arrays, emulated launches."""
+    """``bulletin_kernels.cuda.Runtime`` on the CPU: NumPy arrays, emulated launches."""
 
     xp = np
 

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from bulletin.errors import InvalidInput
-from kernels import cuda, numpy_twin
-from kernels.dispatch import Backend
+from bulletin_kernels import cuda, numpy_twin
+from bulletin_kernels.dispatch import Backend
 
 ROOT = Path(__file__).resolve().parents[2]
 API = sorted(name for name in vars(Backend) if not name.startswith("_"))
@@ -45,7 +45,7 @@ def test_same_signatures(name: str) -> None:
 
 def test_importing_needs_neither_cupy_nor_torch() -> None:
     code = (
-        "import sys, kernels, kernels.cuda, kernels.numpy_twin, kernels.dispatch\n"
+        "import sys, bulletin_kernels, bulletin_kernels.cuda, bulletin_kernels.numpy_twin, bulletin_kernels.dispatch\n"
         "loaded = sorted({'cupy', 'torch'} & set(sys.modules))\n"
         "assert not loaded, loaded\n"
     )

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from numpy.typing import NDArray
 
-import kernels
+import bulletin_kernels
 from bulletin.errors import FormatError, InvalidInput, VerificationFailed
-from kernels import cuda
-from kernels import numpy_twin as twin
+from bulletin_kernels import cuda
+from bulletin_kernels import numpy_twin as twin
 from patcher.context import ClassWindow
 from patcher.fingerprint_update import fingerprint_change
 from tests.kernels.helpers import (
@@ -185,20 +185,20 @@ def test_torch_cuda_tensors_are_patched_in_place() -> None:
     # Views at odd storage offsets, as tensors carved from a flat buffer are.
     master = (torch.randn(2001, device="cuda") * 10)[1:]
     served = torch.zeros(2003, dtype=torch.bfloat16, device="cuda")[3:]
-    backend = kernels.backend_for(served)
-    assert backend is cuda and kernels.backend_for(cp.zeros(1)) is cuda
+    backend = bulletin_kernels.backend_for(served)
+    assert backend is cuda and bulletin_kernels.backend_for(cp.zeros(1)) is cuda
     result = backend.diff_cast(
-        kernels.as_bits(master), kernels.as_bits(served), current_dtype="F32", served_dtype="BF16"
+        bulletin_kernels.as_bits(master), bulletin_kernels.as_bits(served), current_dtype="F32", served_dtype="BF16"
     )
     # torch's own CUDA rounding agrees with ours on every number (NaNs aside).
     assert torch.equal(served, master.to(torch.bfloat16))
     assert int(result.indices.size) == int((served != 0).sum())
-    bits = kernels.as_bits(served)
+    bits = bulletin_kernels.as_bits(served)
     before = backend.fingerprint(bits)
     change = backend.apply_delta(bits, cp.asarray(np.array([0, 1999], dtype=np.int64)), cp.ones(2, dtype=cp.uint16))
     on_host = served.view(torch.uint16).cpu().numpy()
     assert backend.fingerprint(bits) == (before + change) % (1 << 64) == twin.fingerprint(on_host)
-    assert kernels.dtype_name(served) == "BF16"
+    assert bulletin_kernels.dtype_name(served) == "BF16"
 
 
 @pytest.mark.skipif(not golden_cases(), reason="no golden patch files under tests/golden")

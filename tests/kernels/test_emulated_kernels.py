@@ -1,4 +1,4 @@
-"""The CUDA kernel sources and kernels/cuda.py's launch logic, run on the CPU emulator,
+"""The CUDA kernel sources and kernels/bulletin_kernels/cuda.py's launch logic, run on the CPU emulator,
 against the NumPy twin: same indices, deltas, kept bits, fingerprints, bit for bit.
 
 This is what CI (no GPU) can say about the kernels: arithmetic, ascending order across
@@ -19,9 +19,9 @@ import pytest
 from numpy.typing import NDArray
 
 from bulletin.errors import FormatError, InvalidInput, VerificationFailed
-from kernels import cuda
-from kernels import numpy_twin as twin
-from kernels._checks import ClassField
+from bulletin_kernels import cuda
+from bulletin_kernels import numpy_twin as twin
+from bulletin_kernels._checks import ClassField
 from patcher.cast import cast_bits, cast_kind
 from patcher.context import ClassWindow, choose_window, class_ranks
 from patcher.dtypes import bits_dtype

@@ -17,7 +17,7 @@ from bulletin.errors import (
     VerificationFailed,
     WrongBase,
 )
-from kernels import numpy_twin as twin
+from bulletin_kernels import numpy_twin as twin
 from patcher.cast import cast_bits
 from patcher.context import ClassWindow, class_ranks
 from patcher.diff import diff_bits

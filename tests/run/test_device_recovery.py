@@ -5,7 +5,7 @@ there, before its commit. After any failed publish (a lost commit response, a re
 conflict, an upload that failed) the next publish must diff against the last committed
 version again, and the keyframe schedule must not drift; so must a snapshot refused
 part way (a bad tensor after others were diffed on the device). CI has no GPU: here the
-device is the NumPy twin (``kernels.numpy_twin`` has the CUDA path's signatures) behind
+device is the NumPy twin (``bulletin_kernels.numpy_twin`` has the CUDA path's signatures) behind
 a stand-in ``cupy`` module; tests/run/test_gpu_recovery.py runs the same on a GPU.
 """
 

@@ -22,7 +22,7 @@ from bulletin.storage import open_store
 from bulletin.storage.wrapper import CountingStore
 from bulletin.sync import execute, plan
 from bulletin.target import ArrayTarget, Held
-from kernels import numpy_twin
+from bulletin_kernels import numpy_twin
 from patcher.context_decode import CodedChanges, decode_changes
 from patcher.decode import decode, shard_views
 from patcher.format import DEFAULT_LIMITS, TensorInfo

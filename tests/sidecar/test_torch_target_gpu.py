@@ -1,6 +1,6 @@
 """TorchTarget on CUDA tensors: the kernels patch live GPU parameters in place and
 land on the same bits and fingerprints as the NumPy twin on the CPU; context-coded
-patches are resolved on the device (kernels/select.cu) to the CPU path's indices.
+patches are resolved on the device (kernels/bulletin_kernels/select.cu) to the CPU path's indices.
 
 Skipped as a whole where torch has no CUDA device or CuPy is missing (CI); run with
 ``pytest -m gpu tests/sidecar`` on a GPU machine.

@@ -9,7 +9,7 @@ import torch
 from numpy.typing import NDArray
 
 from bulletin.engines.torch_module import torch_dtype
-from kernels.dispatch import as_bits
+from bulletin_kernels.dispatch import as_bits
 from patcher.patch import TensorSpec
 
 

@@ -24,7 +24,7 @@ from bulletin.engines.rank_layout import ReplicaPlan  # noqa: E402
 from bulletin.engines.torch_module import GlobalIndex  # noqa: E402
 from bulletin.engines.vllm_sparse import CheckpointPatch, SparseTarget, bind_rank, compress  # noqa: E402
 from bulletin.errors import IncompatibleLayout, UnrepresentableNaN, VerificationFailed  # noqa: E402
-from kernels.dispatch import as_bits  # noqa: E402
+from bulletin_kernels.dispatch import as_bits  # noqa: E402
 from patcher.fingerprint import fingerprint  # noqa: E402
 from patcher.patch import Patch, TensorDelta, TensorSpec  # noqa: E402
 

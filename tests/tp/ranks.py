@@ -134,7 +134,7 @@ def probe(state: RankState, tp: int) -> dict[str, Any]:
     engine: where each checkpoint element landed, next to where the rank layout says
     it is; and what was left unwritten."""
     from bulletin.engines.rank_layout import RankLayout
-    from kernels.dispatch import as_bits
+    from bulletin_kernels.dispatch import as_bits
     from patcher.patch import TensorSpec
 
     set_tp(state, tp)

@@ -88,7 +88,7 @@ def _run(rank: int, tp: int, port: int) -> dict[str, Any]:
 
     from bulletin.engines.rank_layout import RankLayout
     from bulletin.engines.vllm import WorkerState
-    from kernels.dispatch import as_bits
+    from bulletin_kernels.dispatch import as_bits
     from patcher.encode import encode
     from patcher.fingerprint import fingerprint, format_fingerprint, parse_fingerprint
     from patcher.patch import Patch, TensorDelta, TensorSpec

@@ -1,6 +1,6 @@
 // Exact cast of a whole tensor to the served dtype (kernels.cuda.cast), for keyframes
 // and the first version; diffs use the fused cast in diff.cu. The element-wise rules
-// and their NumPy twin: kernels/common.cuh, patcher/cast.py.
+// and their NumPy twin: kernels/bulletin_kernels/common.cuh, patcher/cast.py.
 
 #include "common.cuh"
 

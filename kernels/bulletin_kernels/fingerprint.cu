@@ -3,7 +3,7 @@
 //
 // Grid-stride over groups of eight elements with vector loads. `head` (< 8) elements
 // before the first aligned group and the < 8 elements after the last one are hashed one
-// by one; kernels/cuda.py computes `head` from the array's address. Each block adds its
+// by one; kernels/bulletin_kernels/cuda.py computes `head` from the array's address. Each block adds its
 // sum with one 64-bit atomicAdd, which is exact mod 2**64 in any order.
 
 #include "common.cuh"

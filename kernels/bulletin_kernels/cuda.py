@@ -1,6 +1,6 @@
-"""CUDA backend: thin CuPy wrappers around the raw kernels in ``kernels/*.cu``.
+"""CUDA backend: thin CuPy wrappers around the raw kernels in ``kernels/bulletin_kernels/*.cu``.
 
-Same functions and signatures as :mod:`kernels.numpy_twin` (which documents each one)
+Same functions and signatures as :mod:`bulletin_kernels.numpy_twin` (which documents each one)
 and the same bits, on CuPy arrays of one device. Importing this module needs no CuPy
 and no GPU: CuPy is imported on first call, and each ``.cu`` file is compiled with
 NVRTC on its first use on a device, then cached (in memory here, on disk by CuPy).
@@ -12,7 +12,7 @@ order) before the scatter runs, so a bad patch never writes outside the tensor.
 Streams: kernels run on CuPy's current stream. The functions that return an ``int``
 (and :func:`diff_cast`, which needs the number of changes to size its outputs) wait for
 their own work to finish before returning. For a torch tensor, take the CuPy view with
-``kernels.as_bits`` right before the call: DLPack then orders our stream after the work
+``bulletin_kernels.as_bits`` right before the call: DLPack then orders our stream after the work
 already queued on torch's current stream.
 
 The launch logic is written against a small ``Runtime`` (array module, pointers,
@@ -31,7 +31,7 @@ from typing import Any, Final, NamedTuple, Protocol
 
 import numpy as np
 
-from kernels._checks import (
+from bulletin_kernels._checks import (
     ClassField,
     check_apply,
     check_apply_ranks,
@@ -43,7 +43,7 @@ from kernels._checks import (
     check_select_order,
     check_select_ranks,
 )
-from kernels.types import BitsArray, ClassArray, ClassWindowLike, IndexArray, IntArray
+from bulletin_kernels.types import BitsArray, ClassArray, ClassWindowLike, IndexArray, IntArray
 from patcher.cast import CastKind, cast_kind
 from patcher.dtypes import bits_dtype
 from patcher.errors import FormatError, InvalidInput, VerificationFailed
@@ -72,7 +72,7 @@ __all__ = [
 ]
 
 KERNEL_DIR: Final = Path(__file__).resolve().parent
-#: The kernel sources, by module name (kernels/<name>.cu).
+#: The kernel sources, by module name (kernels/bulletin_kernels/<name>.cu).
 KERNEL_FILES: Final = ("apply", "cast", "diff", "fingerprint", "select")
 _SUFFIXES: Final = ("u8", "u16", "u32", "u64")
 #: The kernels each file defines (extern "C"), all launched from this module.
@@ -87,11 +87,11 @@ KERNEL_ENTRIES: Final[dict[str, tuple[str, ...]]] = {
     "fingerprint": ("fingerprint_u8", "fingerprint_u16", "fingerprint_u32", "fingerprint_u64"),
     "select": tuple(f"{step}_{suffix}" for suffix in _SUFFIXES for step in ("class_counts", "select", "apply_ranks")),
 }
-#: Threads per block; every kernel is written for exactly this (kernels/common.cuh).
+#: Threads per block; every kernel is written for exactly this (kernels/bulletin_kernels/common.cuh).
 BLOCK: Final = 256
-#: Elements per tile of diff_cast: 256 threads x 4 groups x 8 elements (kernels/diff.cu).
+#: Elements per tile of diff_cast: 256 threads x 4 groups x 8 elements (kernels/bulletin_kernels/diff.cu).
 TILE_ELEMENTS: Final = 8192
-#: Elements per tile of select_ranks: 256 threads x 8 rounds (kernels/select.cu).
+#: Elements per tile of select_ranks: 256 threads x 8 rounds (kernels/bulletin_kernels/select.cu).
 SELECT_TILE_ELEMENTS: Final = 2048
 _TILE_MASK_BYTES: Final = TILE_ELEMENTS // 8
 _MAX_GRID: Final = (1 << 31) - 1
@@ -101,7 +101,7 @@ _MASK64: Final = (1 << 64) - 1
 
 
 def kernel_source(name: str) -> str:
-    """The text NVRTC compiles for ``kernels/<name>.cu``: the file with common.cuh pasted
+    """The text NVRTC compiles for ``kernels/bulletin_kernels/<name>.cu``: the file with common.cuh pasted
     in, so that it needs no include path and CuPy's cache key covers every byte of it."""
     if name not in KERNEL_FILES:
         raise InvalidInput(f"unknown kernel file {name!r}; known: {', '.join(KERNEL_FILES)}")
@@ -114,12 +114,12 @@ def kernel_source(name: str) -> str:
 
 
 def _vector_align(width: int) -> int:
-    """Byte alignment of an 8-element vector load (``Vec8`` in kernels/common.cuh)."""
+    """Byte alignment of an 8-element vector load (``Vec8`` in kernels/bulletin_kernels/common.cuh)."""
     return min(16, 8 * width)
 
 
 class DiffPlan(NamedTuple):
-    """How diff_cast launches for given arrays (see kernels/diff.cu)."""
+    """How diff_cast launches for given arrays (see kernels/bulletin_kernels/diff.cu)."""
 
     #: Elements between the previous vector boundary of ``kept`` and its first element.
     shift: int
@@ -300,7 +300,7 @@ def select_ranks(
 ) -> IndexArray:
     """Flat indices of (class, rank) queries over the base's exponent classes, on the
     device; see ``numpy_twin.select_ranks``. Two passes over ``base[start:stop]``
-    (kernels/select.cu); the queries' order and ranks are checked on the device first."""
+    (kernels/bulletin_kernels/select.cu); the queries' order and ranks are checked on the device first."""
     b = _device_array(base, "base")
     c = _device_array(classes, "classes")
     r = _device_array(ranks, "ranks")
@@ -426,7 +426,7 @@ def _fingerprint(rt: Runtime, bits: Any) -> int:
 
 
 class _SelectPlan(NamedTuple):
-    """How pass 2 of select_ranks / apply_ranks launches (kernels/select.cu)."""
+    """How pass 2 of select_ranks / apply_ranks launches (kernels/bulletin_kernels/select.cu)."""
 
     suffix: str
     tiles: int

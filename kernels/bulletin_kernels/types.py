@@ -1,7 +1,7 @@
 """Types shared by the two backends, so that their signatures are literally the same.
 
-An array argument is a NumPy array for :mod:`kernels.numpy_twin` and a CuPy array for
-:mod:`kernels.cuda`. CuPy ships no type information, so to a type checker a CuPy array
+An array argument is a NumPy array for :mod:`bulletin_kernels.numpy_twin` and a CuPy array for
+:mod:`bulletin_kernels.cuda`. CuPy ships no type information, so to a type checker a CuPy array
 is ``Any`` and these aliases read as "a NumPy array, or a CuPy one".
 """
 

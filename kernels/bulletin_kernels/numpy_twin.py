@@ -1,8 +1,8 @@
 """NumPy twins of the CUDA kernels: the same functions, signatures and bits, on the CPU.
 
-Every function of :mod:`kernels.cuda` has a twin here with the same name and signature
+Every function of :mod:`bulletin_kernels.cuda` has a twin here with the same name and signature
 (tests/kernels/test_backends.py checks it), built on the pure codecs of ``patcher``.
-Both backends check their arguments the same way (kernels/_checks.py) and raise from
+Both backends check their arguments the same way (kernels/bulletin_kernels/_checks.py) and raise from
 ``patcher.errors`` before anything is written. Work is chunked: temporaries are
 O(chunk + changed elements), never the size of the tensor.
 """
@@ -15,7 +15,7 @@ from typing import Any, Final
 import numpy as np
 from numpy.typing import NDArray
 
-from kernels._checks import (
+from bulletin_kernels._checks import (
     check_apply,
     check_apply_ranks,
     check_bits,
@@ -26,7 +26,7 @@ from kernels._checks import (
     check_select_order,
     check_select_ranks,
 )
-from kernels.types import BitsArray, ClassArray, ClassWindowLike, IndexArray, IntArray
+from bulletin_kernels.types import BitsArray, ClassArray, ClassWindowLike, IndexArray, IntArray
 from patcher.apply import apply as _apply_patch
 from patcher.cast import cast_bits
 from patcher.diff import diff_bits

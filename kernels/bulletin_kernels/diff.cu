@@ -16,7 +16,7 @@
 // `kept` (8 bytes for 1-byte elements): tensors are often views at arbitrary element
 // offsets. Bit v of the mask is element v - shift; bits for v < shift or v >= n + shift
 // are never set. `cur` may be misaligned differently: then `cur_vec` is 0 and `cur` is
-// read element by element (still coalesced), see kernels/cuda.py.
+// read element by element (still coalesced), see kernels/bulletin_kernels/cuda.py.
 
 #include "common.cuh"
 
@@ -26,7 +26,7 @@ constexpr int kItems = 4;                        // groups of eight per thread i
 constexpr int kTileGroups = kBlock * kItems;     // 1024 groups = 1 KiB of mask per tile
 constexpr int kTileWords = kTileGroups / 4;      // 256 words: one per thread in pass 2
 static_assert(kTileWords == kBlock, "pass 2 maps one mask word to one thread");
-static_assert(kTileGroups * 8 == 8192, "kernels/cuda.py sizes grids and masks with TILE_ELEMENTS");
+static_assert(kTileGroups * 8 == 8192, "kernels/bulletin_kernels/cuda.py sizes grids and masks with TILE_ELEMENTS");
 
 // How many groups a thread loads before comparing any: up to 192 bytes in flight per
 // thread covers DRAM latency at the occupancy these kernels get (about 40 registers),

@@ -1,7 +1,7 @@
 // Device helpers shared by Bulletin's kernels.
 //
 // Every kernel source is self-contained apart from this header and uses no other header
-// at all: kernels/cuda.py pastes this file in place of its #include line and hands the
+// at all: kernels/bulletin_kernels/cuda.py pastes this file in place of its #include line and hands the
 // text to NVRTC (through CuPy), which has no host standard headers, while
 // scripts/check_kernels.py compiles the same text with nvcc. Hence the plain
 // `unsigned long long` family instead of <cstdint>, and integer-only casts instead of

@@ -1,7 +1,7 @@
 """Pick the backend for an array, and take zero-copy bits views of tensors.
 
-``backend_for(x)`` returns :mod:`kernels.numpy_twin` for NumPy arrays and CPU torch
-tensors and :mod:`kernels.cuda` for CuPy arrays and CUDA torch tensors. ``as_bits(x)``
+``backend_for(x)`` returns :mod:`bulletin_kernels.numpy_twin` for NumPy arrays and CPU torch
+tensors and :mod:`bulletin_kernels.cuda` for CuPy arrays and CUDA torch tensors. ``as_bits(x)``
 returns the array the backends work on: the same memory, read as unsigned integers of
 the element width. Neither imports torch or CuPy: an object can only be a torch tensor
 or a CuPy array if its module is already loaded.
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Final, Protocol, cast
 
 import numpy as np
 
-from kernels.types import BitsArray, ClassArray, ClassWindowLike, IndexArray, IntArray
+from bulletin_kernels.types import BitsArray, ClassArray, ClassWindowLike, IndexArray, IntArray
 from patcher.dtypes import BITS_DTYPES
 from patcher.errors import InvalidInput, UnsupportedDtype
 from patcher.patch import Change, Patch
@@ -28,7 +28,7 @@ __all__ = ["DTYPE_NAMES", "Backend", "as_bits", "backend_for", "dtype_name", "to
 
 
 class Backend(Protocol):
-    """What both :mod:`kernels.numpy_twin` and :mod:`kernels.cuda` provide."""
+    """What both :mod:`bulletin_kernels.numpy_twin` and :mod:`bulletin_kernels.cuda` provide."""
 
     def cast(self, current: BitsArray, current_dtype: str, served_dtype: str) -> BitsArray: ...
 
@@ -108,7 +108,7 @@ def _is_cupy_array(x: object) -> bool:
 def backend_for(array: object) -> Backend:
     """The backend that works on ``array`` (a NumPy/CuPy array or a torch tensor)."""
     if isinstance(array, np.ndarray):
-        from kernels import numpy_twin
+        from bulletin_kernels import numpy_twin
 
         return cast(Backend, numpy_twin)
     if _is_cupy_array(array):
@@ -116,7 +116,7 @@ def backend_for(array: object) -> Backend:
     if _is_torch_tensor(array):
         device = array.device.type  # type: ignore[attr-defined]
         if device == "cpu":
-            from kernels import numpy_twin
+            from bulletin_kernels import numpy_twin
 
             return cast(Backend, numpy_twin)
         if device == "cuda":
@@ -126,7 +126,7 @@ def backend_for(array: object) -> Backend:
 
 
 def _cuda() -> Backend:
-    from kernels import cuda
+    from bulletin_kernels import cuda
 
     module: ModuleType = cuda
     return cast(Backend, module)
