@@ -22,9 +22,11 @@ and activated by a last loader call with ``flush_cache``
 and ``weight_version``: SGLang itself then flushes the radix cache and records
 Bulletin's version as its own label; ``/continue_generation`` ends the pause. Any
 failure puts every rank back (each keeps the previous bits until activation) and the
-folder too. SGLang refuses ``/update_weights_from_tensor`` with data-parallel replicas
-(``dp_size > 1``: an assertion in ``managers/tokenizer_control_mixin.py``), so such
-servers are served from disk.
+folder too. With pipeline stages every stage's TP ranks run each call, the later ones
+after SGLang has answered it (stage 0's): their replies are waited for
+(:mod:`bulletin.engines.sglang_loader`). SGLang refuses ``/update_weights_from_tensor``
+with data-parallel replicas (``dp_size > 1``: an assertion in
+``managers/tokenizer_control_mixin.py``), so such servers are served from disk.
 
 **From disk** (:class:`SGLangTarget`): the folder is patched and SGLang reloads it::
 
@@ -67,6 +69,7 @@ import json
 import logging
 import secrets
 import shutil
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Final
@@ -76,7 +79,7 @@ from numpy.typing import NDArray
 
 from bulletin.engines.http import engine_url, request_json
 from bulletin.engines.rank_layout import RankLayout, ReplicaPlan, with_dropped
-from bulletin.engines.sglang_loader import LOADER, REQUEST_FORMAT, encode_requests, reply_path
+from bulletin.engines.sglang_loader import LOADER, REQUEST_FORMAT, STAGED_REQUEST_FORMAT, encode_requests, reply_path
 from bulletin.engines.wire import ERRORS, SPOOL_SHARD_BYTES, fps_from_json, fps_to_json, specs_to_json
 from bulletin.errors import (
     BulletinError,
@@ -96,6 +99,25 @@ log = logging.getLogger("bulletin.engines.sglang")
 
 #: ``bulletin serve --sglang-mode`` values.
 MODES: Final = ("auto", "inplace", "disk")
+#: How often a reply of a later pipeline stage is looked for once SGLang has answered.
+_REPLY_POLL_S: Final = 0.005
+
+
+def _request(
+    method: str,
+    body: Mapping[str, Any],
+    rank: int,
+    ranks: int,
+    stages: int,
+    reply: str,
+    per_rank: list[dict[str, Any]] | None,
+) -> dict[str, Any]:
+    """TP rank ``rank``'s request, which every pipeline stage's rank ``rank`` reads."""
+    own = [per_rank[s * ranks + rank] if per_rank is not None else {} for s in range(stages)]
+    request: dict[str, Any] = {"method": method, "rank": rank, "ranks": ranks, "reply": reply}
+    if stages == 1:  # format 1, which loaders before pipeline stages read
+        return {"bulletin": REQUEST_FORMAT, **request, "body": {**body, **own[0]}}
+    return {"bulletin": STAGED_REQUEST_FORMAT, **request, "body": dict(body), "stages": stages, "per_stage": own}
 
 
 class _SGLangServer(WeightTarget):
@@ -153,16 +175,21 @@ class _SGLangServer(WeightTarget):
             return f"SGLang was not started with --custom-weight-loader {self.loader}"
         if int(info.get("dp_size") or 1) != 1:
             return "SGLang refuses /update_weights_from_tensor with data-parallel replicas (dp_size > 1)"
-        if int(info.get("pp_size") or 1) != 1:
-            return "pipeline parallelism is not supported in place yet (pp_size > 1)"
         return None
 
-    def ranks(self) -> int:
-        """TP ranks of the engine: one loader reply per rank."""
-        size = self.server_info().get("tp_size") or 1
-        if not isinstance(size, int) or size < 1:
-            raise EngineError(f"SGLang reports tp_size {size!r}")
+    def _size(self, key: str) -> int:
+        size = self.server_info().get(key) or 1
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise EngineError(f"SGLang reports {key} {size!r}")
         return size
+
+    def ranks(self) -> int:
+        """TP ranks of each pipeline stage."""
+        return self._size("tp_size")
+
+    def stages(self) -> int:
+        """Pipeline stages of the engine: one loader reply per TP rank of each."""
+        return self._size("pp_size")
 
     def engine_version(self) -> str | None:
         """The ``weight_version`` SGLang reports (``GET /model_info``; ``GET
@@ -212,31 +239,24 @@ class _SGLangServer(WeightTarget):
         flush: bool = False,
         weight_version: str | None = None,
     ) -> list[dict[str, Any]]:
-        """Run ``method`` on every TP rank through the loader; one ok result per rank.
+        """Run ``method`` on every rank through the loader; one ok result per rank, stage
+        by stage (result ``s * tp + r`` is TP rank ``r`` of pipeline stage ``s``).
 
-        ``per_rank[r]`` is merged into rank ``r``'s body (each rank unpickles only its own
-        request). ``flush`` and ``weight_version`` are passed to ``/update_weights_from_tensor``:
-        SGLang flushes its radix cache and records the label after the ranks return
-        (the loader cannot fail SGLang's call, so only pass them for a step that the
-        ranks cannot refuse, or undo the label on a refusal)."""
-        ranks = self.ranks()
-        if per_rank is not None and len(per_rank) != ranks:
-            raise EngineError(f"{len(per_rank)} rank bodies for {ranks} TP ranks")
+        ``per_rank[i]`` is merged into that rank's body (each rank unpickles only its own
+        request: TP rank ``r``'s entry carries every stage's part). ``flush`` and
+        ``weight_version`` are passed to ``/update_weights_from_tensor``: SGLang flushes
+        its radix cache and records the label after the ranks return (the loader cannot
+        fail SGLang's call, so only pass them for a step that the ranks cannot refuse,
+        or undo the label on a refusal). SGLang answers once stage 0 ran the call; the
+        later stages' replies are waited for, up to the timeout."""
+        ranks, stages = self.ranks(), self.stages()
+        if per_rank is not None and len(per_rank) != ranks * stages:
+            raise EngineError(f"{len(per_rank)} rank bodies for {ranks} TP ranks x {stages} pipeline stages")
         self.spool_dir.mkdir(parents=True, exist_ok=True)
         folder = self.spool_dir / f"call-{secrets.token_hex(8)}"
         folder.mkdir()
         try:
-            requests = [
-                {
-                    "bulletin": REQUEST_FORMAT,
-                    "method": method,
-                    "rank": r,
-                    "ranks": ranks,
-                    "reply": str(folder),
-                    "body": {**body, **(per_rank[r] if per_rank is not None else {})},
-                }
-                for r in range(ranks)
-            ]
+            requests = [_request(method, body, r, ranks, stages, str(folder), per_rank) for r in range(ranks)]
             payload = {
                 "serialized_named_tensors": encode_requests(requests),
                 "load_format": self.loader,
@@ -246,27 +266,32 @@ class _SGLangServer(WeightTarget):
             }
             with self._session():
                 self._post("/update_weights_from_tensor", payload, what=f"loader call {method}")
-            return [self._reply(folder, r, method) for r in range(ranks)]
+            # Stage 0's ranks ran before SGLang answered; a later stage's may still run.
+            later = time.monotonic() + self.timeout
+            return [self._reply(folder, s, r, method, later if s else 0.0) for s in range(stages) for r in range(ranks)]
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 
     @staticmethod
-    def _reply(folder: Path, rank: int, method: str) -> dict[str, Any]:
-        path = reply_path(folder, rank)
+    def _reply(folder: Path, stage: int, rank: int, method: str, deadline: float) -> dict[str, Any]:
+        path = reply_path(folder, rank, stage)
+        who = f"SGLang TP rank {rank}" + (f" of pipeline stage {stage}" if stage else "")
+        while not path.exists() and time.monotonic() < deadline:
+            time.sleep(_REPLY_POLL_S)
         try:
             result = json.loads(path.read_text())
         except FileNotFoundError:
             raise EngineError(
-                f"SGLang TP rank {rank} did not answer {method} (no {path.name}): is the spool folder on the "
+                f"{who} did not answer {method} (no {path.name}): is the spool folder on the "
                 "engine's machine, and the loader importable there?"
             ) from None
         except (OSError, json.JSONDecodeError) as exc:
-            raise EngineError(f"SGLang TP rank {rank} answered {method} unreadably: {exc}") from None
+            raise EngineError(f"{who} answered {method} unreadably: {exc}") from None
         if not isinstance(result, dict):
-            raise EngineError(f"SGLang TP rank {rank} answered {method} with {result!r:.200}")
+            raise EngineError(f"{who} answered {method} with {result!r:.200}")
         if result.get("ok") is not True:
             cls = ERRORS.get(str(result.get("code")), EngineError)
-            error = cls(f"SGLang TP rank {rank}: {result.get('message')}")
+            error = cls(f"{who}: {result.get('message')}")
             error.details = result  # type: ignore[attr-defined]
             raise error
         return result
@@ -277,11 +302,14 @@ class _SGLangServer(WeightTarget):
         pieces overlap, leave elements uncovered or are not those of ranks 0 .. tp-1)."""
         results = self.call("bind", {"specs": specs_to_json(specs)})
         layouts = [RankLayout.from_json(r.get("layout")) for r in results]
-        for r, layout in enumerate(layouts):
-            if (layout.pp_rank, layout.tp_rank, layout.tp_size) != (0, r, len(layouts)):
+        tp = self.ranks()
+        for i, layout in enumerate(layouts):
+            stage, r = divmod(i, tp)
+            if (layout.pp_rank, layout.tp_rank, layout.tp_size) != (stage, r, tp):
                 raise IncompatibleLayout(
-                    f"SGLang TP rank {r} of {len(layouts)} holds the pieces of TP rank {layout.tp_rank} of "
-                    f"{layout.tp_size} (pipeline stage {layout.pp_rank}); attention data parallelism?"
+                    f"SGLang TP rank {r} of {tp} (pipeline stage {stage}) holds the pieces of TP rank "
+                    f"{layout.tp_rank} of {layout.tp_size} (pipeline stage {layout.pp_rank}); attention data "
+                    "parallelism?"
                 )
         plan = ReplicaPlan(layouts, specs)
         if plan.dropped and plan.dropped != self.dropped:

@@ -27,6 +27,18 @@ protocol here:
   exception" and signals the parent). So :func:`apply` **never raises**: each rank
   writes its result, success or typed error, as ``rank-<r>.json`` into the reply folder,
   and the sidecar reads one per rank after the call returns.
+- With pipeline parallelism every stage runs a scheduler per TP rank, and every one of
+  them runs the call: stage 0's ranks take it from the tokenizer, each later stage from
+  the stage before, after that stage ran it (``managers/scheduler_pp_mixin.py``:
+  ``event_loop_pp`` passes on what ``ingest_requests`` ran;
+  ``managers/scheduler_components/request_receiver.py``: ``_pull_raw_reqs``); entry
+  ``r`` goes to TP rank ``r`` of every stage, and only stage 0's first rank answers the
+  HTTP call (``managers/scheduler.py``: ``init_ipc_channels``, ``is_rank_zero``). So a
+  request for several stages (format 2) carries each stage's part of the body
+  (``per_stage``), a rank takes its stage from its own model (``pp_group``, as
+  SGLang's Llama-family models keep it: ``models/llama.py``), its reply is
+  ``rank-<stage>-<r>.json`` (:func:`reply_path`), and the sidecar waits for the later
+  stages' replies, which may come after the HTTP answer.
 
 Each rank keeps a :class:`SGLangRankState` per model (weakly keyed): its
 :class:`~bulletin.engines.rank_layout.RankLayout`, read from the model's own layers
@@ -67,6 +79,7 @@ if TYPE_CHECKING:
 __all__ = [
     "LOADER",
     "REQUEST_NAME",
+    "STAGED_REQUEST_FORMAT",
     "SGLangRankState",
     "apply",
     "encode_requests",
@@ -80,13 +93,17 @@ log = logging.getLogger("bulletin.engines.sglang_loader")
 LOADER: Final = "bulletin.engines.sglang_loader.apply"
 #: The name of the one "tensor" of a request: the JSON request's bytes.
 REQUEST_NAME: Final = "bulletin.request"
-#: Version of the request format (``{"bulletin": 1, ...}``).
+#: Version of the request format (``{"bulletin": 1, ...}``): 1 for an engine of one
+#: pipeline stage; 2 adds ``stages`` and ``per_stage`` (a loader that reads only 1 then
+#: answers nothing rather than every stage writing stage 0's reply).
 REQUEST_FORMAT: Final = 1
+STAGED_REQUEST_FORMAT: Final = 2
 
 
-def reply_path(folder: str | Path, rank: int) -> Path:
-    """Where TP rank ``rank`` writes its result for a request replying to ``folder``."""
-    return Path(folder) / f"rank-{rank:04d}.json"
+def reply_path(folder: str | Path, rank: int, stage: int = 0) -> Path:
+    """Where TP rank ``rank`` of pipeline stage ``stage`` writes its result for a request
+    replying to ``folder`` (stage 0's name is format 1's)."""
+    return Path(folder) / (f"rank-{rank:04d}.json" if stage == 0 else f"rank-{stage}-{rank:04d}.json")
 
 
 def encode_requests(requests: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -142,46 +159,45 @@ class SGLangRankState:
         self.target: TorchTarget | None = None
         self.specs: dict[str, TensorSpec] | None = None
 
-    def bind(self, specs: Mapping[str, TensorSpec], rank: int, ranks: int) -> RankLayout:
-        """Map every served tensor to this rank's pieces of its parameters (no copies)."""
+    def bind(self, specs: Mapping[str, TensorSpec], rank: int, ranks: int, stage: int = 0) -> RankLayout:
+        """Map every served tensor to this rank's pieces of its parameters (no copies);
+        what another pipeline stage holds is not this rank's."""
         layout = RankLayout.of_module(
-            self.model, specs, tp_rank=rank, tp_size=ranks, packed_modules_mapping=packed_modules(self.model)
+            self.model,
+            specs,
+            tp_rank=rank,
+            tp_size=ranks,
+            pp_rank=stage,
+            packed_modules_mapping=packed_modules(self.model),
         )
         self.target = layout.target(self.model)
         self.layout, self.specs = layout, dict(specs)
         return layout
 
-    def handle(self, method: str, body: Mapping[str, Any], rank: int, ranks: int) -> dict[str, Any]:
+    def handle(self, method: str, body: Mapping[str, Any], rank: int, ranks: int, stage: int = 0) -> dict[str, Any]:
         """Run one request; errors come back as ``{"ok": false, ...}``, never raised."""
         try:
-            result = self._dispatch(method, body, rank, ranks)
+            result = self._dispatch(method, body, rank, ranks, stage)
         except BulletinError as exc:
             return {"ok": False, "code": exc.code, "message": str(exc)}
         return {"ok": True, **result}
 
-    def _bound(self, body: Mapping[str, Any], rank: int, ranks: int) -> tuple[RankLayout, TorchTarget]:
+    def _bound(self, body: Mapping[str, Any], rank: int, ranks: int, stage: int) -> tuple[RankLayout, TorchTarget]:
         if "specs" in body:
             specs = specs_from_json(body["specs"])
-            if (
-                self.specs != specs
-                or self.layout is None
-                or (self.layout.tp_rank, self.layout.tp_size)
-                != (
-                    rank,
-                    ranks,
-                )
-            ):
-                self.bind(specs, rank, ranks)
+            held = None if self.layout is None else (self.layout.tp_rank, self.layout.tp_size, self.layout.pp_rank)
+            if self.specs != specs or held != (rank, ranks, stage):
+                self.bind(specs, rank, ranks, stage)
         if self.layout is None or self.target is None:
             raise InvalidInput("the rank has not been bound to a layout yet")
         return self.layout, self.target
 
-    def _dispatch(self, method: str, body: Mapping[str, Any], rank: int, ranks: int) -> dict[str, Any]:
+    def _dispatch(self, method: str, body: Mapping[str, Any], rank: int, ranks: int, stage: int) -> dict[str, Any]:
         if method == "bind":
             if "specs" not in body:
                 raise InvalidInput("bind needs specs")
             self.layout = None  # a reload may have replaced parameters: map afresh
-        layout, target = self._bound(body, rank, ranks)
+        layout, target = self._bound(body, rank, ranks, stage)
         if method == "bind":
             return {"layout": layout.to_json(), "dropped": sorted(layout.dropped)}
         if method == "fingerprints":
@@ -207,7 +223,8 @@ class SGLangRankState:
             bad = sorted(n for n in layout.pieces if new.get(n) != expect.get(n))
             if bad:
                 target.abort()
-                raise VerificationFailed(f"TP rank {rank} would land on other bits for {len(bad)} tensor(s): {bad[:3]}")
+                where = f"TP rank {rank}" + (f" of pipeline stage {stage}" if stage else "")
+                raise VerificationFailed(f"{where} would land on other bits for {len(bad)} tensor(s): {bad[:3]}")
             return {"fingerprints": fps_to_json(new)}
         if method == "abort":
             target.abort()
@@ -244,6 +261,25 @@ def _engine_rank() -> tuple[int, int] | None:
         return None
 
 
+def _stage(model: torch.nn.Module) -> tuple[int, int]:
+    """(pipeline stage, stages) of a rank's model: its ``pp_group`` (SGLang's
+    ``GroupCoordinator``, which Llama-family models keep, ``models/llama.py``), else
+    SGLang's own (``distributed/parallel_state.py``: ``get_pp_group``) where it is set up,
+    else one stage."""
+    group = getattr(model, "pp_group", None)
+    if group is None:
+        try:
+            from sglang.srt.distributed import get_pp_group  # type: ignore[import-not-found, unused-ignore]
+
+            group = get_pp_group()
+        except Exception:  # not inside SGLang (tests), or its groups are not set up
+            return 0, 1
+    stage, stages = getattr(group, "rank_in_group", None), getattr(group, "world_size", None)
+    if not (isinstance(stage, int) and isinstance(stages, int) and 0 <= stage < stages):
+        raise InvalidInput(f"the model's pp_group says stage {stage!r} of {stages!r}")
+    return stage, stages
+
+
 def _request(named_tensors: Sequence[tuple[str, Any]]) -> dict[str, Any]:
     if len(named_tensors) != 1 or named_tensors[0][0] != REQUEST_NAME:
         names = [str(n) for n, _ in named_tensors[:3]]
@@ -251,13 +287,31 @@ def _request(named_tensors: Sequence[tuple[str, Any]]) -> dict[str, Any]:
     tensor = named_tensors[0][1]
     data = bytes(tensor.detach().to("cpu").contiguous().numpy().tobytes())
     request = json.loads(data)
-    if not isinstance(request, dict) or request.get("bulletin") != REQUEST_FORMAT:
-        raise InvalidInput(f"not a Bulletin request of format {REQUEST_FORMAT}")
+    if not isinstance(request, dict) or request.get("bulletin") not in (REQUEST_FORMAT, STAGED_REQUEST_FORMAT):
+        raise InvalidInput(f"not a Bulletin request of format {REQUEST_FORMAT} or {STAGED_REQUEST_FORMAT}")
     return request
 
 
-def _write_reply(folder: str, rank: int, result: Mapping[str, Any]) -> None:
-    path = reply_path(folder, rank)
+def _stage_body(request: Mapping[str, Any], stage: int, stages: int) -> dict[str, Any]:
+    """The body of the request for pipeline stage ``stage`` of the engine's ``stages``."""
+    body = request.get("body")
+    if not isinstance(body, dict):
+        raise InvalidInput("request needs a body object")
+    if request.get("bulletin") == REQUEST_FORMAT:
+        if stages != 1:
+            raise InvalidInput(f"a request for one pipeline stage reached stage {stage} of {stages}")
+        return body
+    parts = request.get("per_stage")
+    if request.get("stages") != stages or not isinstance(parts, list) or len(parts) != stages:
+        raise InvalidInput(f"request for {request.get('stages')!r} pipeline stages reached stage {stage} of {stages}")
+    part = parts[stage]
+    if not isinstance(part, dict):
+        raise InvalidInput(f"request's part for pipeline stage {stage} is not an object")
+    return {**body, **part}
+
+
+def _write_reply(folder: str, rank: int, stage: int, result: Mapping[str, Any]) -> None:
+    path = reply_path(folder, rank, stage)
     part = path.with_name(f".{path.name}.part")
     part.write_text(json.dumps(result))
     os.replace(part, path)  # the sidecar never reads half a reply
@@ -278,21 +332,23 @@ def apply(model: torch.nn.Module, named_tensors: Sequence[tuple[str, Any]]) -> N
         log.error("bulletin loader: ignored a call that is not a Bulletin request: %s", exc)
         return
     rank, ranks = request.get("rank"), request.get("ranks")
+    stage = 0
     try:
+        stage, stages = _stage(model)
         if not (isinstance(rank, int) and isinstance(ranks, int) and 0 <= rank < ranks):
             raise InvalidInput(f"request names rank {rank!r} of {ranks!r}")
         engine = _engine_rank()
         if engine is not None and engine != (rank, ranks):
             raise InvalidInput(f"request for TP rank {rank} of {ranks} reached rank {engine[0]} of {engine[1]}")
-        method, body = request.get("method"), request.get("body")
-        if not isinstance(method, str) or not isinstance(body, dict):
-            raise InvalidInput("request needs a method and a body object")
-        result = _state(model).handle(method, body, rank, ranks)
+        method = request.get("method")
+        if not isinstance(method, str):
+            raise InvalidInput("request needs a method")
+        result = _state(model).handle(method, _stage_body(request, stage, stages), rank, ranks, stage)
     except Exception as exc:  # anything at all: reported, never raised into SGLang
-        log.exception("bulletin loader: rank %s failed", rank)
+        log.exception("bulletin loader: rank %s (pipeline stage %s) failed", rank, stage)
         result = {"ok": False, "code": EngineError.code, "message": f"{type(exc).__name__}: {exc}"}
-    result = {**result, "rank": rank}
+    result = {**result, "rank": rank, "stage": stage}
     try:
-        _write_reply(folder, rank if isinstance(rank, int) else -1, result)
+        _write_reply(folder, rank if isinstance(rank, int) else -1, stage, result)
     except Exception as exc:
         log.error("bulletin loader: rank %s could not write its reply to %s: %s", rank, folder, exc)

@@ -22,6 +22,7 @@ import importlib
 import io
 import json
 import pickle
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -423,7 +424,8 @@ class LoadFault:
 
 class SglangServer(_Server):
     """SGLang 0.5.23's HTTP server over one or more data-parallel engines (torch modules),
-    or one engine of several TP ranks (``ranks``).
+    or one engine of several TP ranks (``ranks``), in ``pp_size`` pipeline stages (stage by
+    stage: TP rank ``r`` of stage ``s`` is ``ranks[s * tp + r]``).
 
     As in the source (``python/sglang/srt/``):
 
@@ -451,7 +453,12 @@ class SglangServer(_Server):
       SGLang's restricted unpickler (torch tensors and builtin containers only), moves
       each tensor to its device and calls ``dynamic_import(load_format)(model,
       named_tensors)`` when ``load_format`` is listed in ``--custom-weight-loader``
-      (``custom_weight_loader``), ``model.load_weights`` when it is None; the loader's
+      (``custom_weight_loader``), ``model.load_weights`` when it is None; with pipeline
+      stages, stage 0's ranks run it before the call is answered and each later stage's
+      ranks after the stage before passed it on (``managers/scheduler_pp_mixin.py``:
+      ``event_loop_pp``; only stage 0's first rank answers the tokenizer,
+      ``managers/scheduler.py``: ``init_ipc_channels``), here ``stage_lag`` seconds
+      after the answer, in order, on one thread; the loader's
       return value is ignored, and **an exception anywhere in a rank (unpickling, an
       unknown ``load_format``, the loader) kills the scheduler and so the server**:
       that call and every later one answer 500 here. After the ranks: the session's
@@ -484,8 +491,9 @@ class SglangServer(_Server):
     through SGLang's ``load_weights`` and weight loaders); one weight version for the scheduler and the tokenizer
     manager (SGLang keeps both; the one reported is the latter, set on success only);
     TP ranks run one after another in the server's thread (SGLang runs one scheduler
-    process per rank; the loader code is the same); a dead scheduler answers 500 here
-    instead of taking the process down.
+    process per rank; the loader code is the same); a later pipeline stage keeps no
+    weight-update session, cache or weight version of its own (stage 0's stand for
+    all); a dead scheduler answers 500 here instead of taking the process down.
     """
 
     def __init__(
@@ -497,9 +505,18 @@ class SglangServer(_Server):
         custom_weight_loader: list[str] | None = None,
         refuse: bool = False,
         legacy: bool = False,
+        pp_size: int = 1,
+        stage_lag: float = 0.05,
     ) -> None:
         if ranks is not None:
             engines = [ranks[0]]
+            if len(ranks) % pp_size:
+                raise ValueError(f"{len(ranks)} ranks are not {pp_size} pipeline stages")
+        self.pp_size, self.stage_lag = pp_size, stage_lag
+        #: The later pipeline stages' share of loader calls, run in order on one thread.
+        self._later: queue.Queue[tuple[list[torch.nn.Module], list[str], Any] | None] = queue.Queue()
+        self._stages = threading.Thread(target=self._run_later_stages, daemon=True)
+        self._stages.start()
         self.engines: list[torch.nn.Module] = engines if engines is not None else [model or torch.nn.Module()]
         #: TP ranks of the (one) engine; None: each engine is one rank.
         self.ranks = ranks
@@ -561,13 +578,46 @@ class SglangServer(_Server):
         return serve
 
     def _tp_ranks(self) -> list[torch.nn.Module]:
+        """Every rank of the engine, stage by stage."""
         return self.ranks if self.ranks is not None else [self.engines[0]]
+
+    @property
+    def tp_size(self) -> int:
+        return len(self._tp_ranks()) // self.pp_size
+
+    def close(self) -> None:
+        self._later.put(None)
+        self._stages.join(timeout=10.0)
+        super().close()
+
+    def _run_later_stages(self) -> None:
+        while (work := self._later.get()) is not None:
+            ranks, payloads, load_format = work
+            time.sleep(self.stage_lag)
+            for i, model in enumerate(ranks):
+                if self.dead is not None:
+                    break
+                try:
+                    self._run_loader(model, payloads[i % self.tp_size], load_format)
+                except Exception as exc:  # the stage's scheduler dies, and the server with it
+                    self.dead = f"pipeline stage {1 + i // self.tp_size} TP rank {i % self.tp_size}: {exc!r}"
+
+    def _run_loader(self, model: torch.nn.Module, payload: str, load_format: Any) -> None:
+        named = _SafeUnpickler(io.BytesIO(base64.b64decode(payload, validate=True))).load()
+        named = [(name, tensor.to("cpu")) for name, tensor in named]
+        if load_format in self.custom_weight_loader:
+            module, _, func = str(load_format).rpartition(".")
+            getattr(importlib.import_module(module), func)(model, named)  # return value ignored
+        elif load_format is None:
+            model.load_weights(named)
+        else:
+            raise NotImplementedError(f"Unknown load_format={load_format}")
 
     def _server_info(self, call: Call) -> tuple[int, Any]:
         return 200, {
-            "tp_size": len(self._tp_ranks()),
+            "tp_size": self.tp_size,
             "dp_size": len(self.engines),
-            "pp_size": 1,
+            "pp_size": self.pp_size,
             "custom_weight_loader": self.custom_weight_loader,
             "version": "0.5.23",
         }
@@ -613,20 +663,15 @@ class SglangServer(_Server):
                 "message": "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()",
             }
         load_format = body.get("load_format")
-        for rank, model in enumerate(self._tp_ranks()):
+        ranks, tp = self._tp_ranks(), self.tp_size
+        for rank, model in enumerate(ranks[:tp]):
             try:
-                named = _SafeUnpickler(io.BytesIO(base64.b64decode(payloads[rank], validate=True))).load()
-                named = [(name, tensor.to("cpu")) for name, tensor in named]
-                if load_format in self.custom_weight_loader:
-                    module, _, func = str(load_format).rpartition(".")
-                    getattr(importlib.import_module(module), func)(model, named)  # return value ignored
-                elif load_format is None:
-                    model.load_weights(named)
-                else:
-                    raise NotImplementedError(f"Unknown load_format={load_format}")
+                self._run_loader(model, payloads[rank], load_format)
             except Exception as exc:  # uncaught in SGLang: the scheduler process dies
                 self.dead = f"TP rank {rank}: {exc!r}"
                 return 500, {"detail": "Internal Server Error"}
+        if self.pp_size > 1:
+            self._later.put((ranks[tp:], list(payloads), load_format))
         self.session["loaded_weights"] = True
         success, message = True, "Success"
         if body.get("flush_cache", True):
@@ -730,7 +775,7 @@ class SglangServer(_Server):
             if self.ranks is None
             else list((0, r, m) for r, m in enumerate(self.ranks))
         )
-        tp = 1 if self.ranks is None else len(self.ranks)
+        tp = 1 if self.ranks is None else self.tp_size
         for i, r, model in placed:
             sums = {
                 n: hashlib.sha256(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
@@ -743,14 +788,14 @@ class SglangServer(_Server):
                 overall.update(sums[name].encode())
             info = {
                 "role": "target",
-                "tp_rank": r,
+                "tp_rank": r % tp,
                 "tp_size": tp,
                 "dp_rank": i,
                 "dp_size": len(self.engines),
-                "pp_rank": 0,
-                "pp_size": 1,
-                "rank": i * tp + r,
-                "size": len(self.engines) * tp,
+                "pp_rank": r // tp,
+                "pp_size": self.pp_size,
+                "rank": i * tp * self.pp_size + r,
+                "size": len(self.engines) * tp * self.pp_size,
             }
             ranks.append({"checksums": sums, "per_gpu_checksum": overall.hexdigest(), "parallelism_info": info})
         engine = hashlib.sha256()

@@ -22,7 +22,14 @@ parameters must equal what SGLang's own loader puts there from the checkpoint).
 - ``distributed/utils.py``: ``get_group_rank_size`` (``(0, 1)`` for no group);
 - ``models/llama.py``: ``LlamaForCausalLM`` (``stacked_params_mapping``,
   ``_legacy_load_weights``: fused members through their shard ids, the rest through
-  the parameter's ``weight_loader``; ``rotary_emb.inv_freq`` skipped).
+  the parameter's ``weight_loader``; ``rotary_emb.inv_freq`` skipped; with pipeline
+  stages, layers outside the stage's ``[start_layer, end_layer)`` skipped and names the
+  stage has no parameter for skipped with a warning), ``pp_group`` on the model;
+  ``LlamaModel``: ``embed_tokens`` on the first stage, ``norm`` on the last, the other
+  stages' ``PPMissingLayer`` (``layers/utils/common.py``), layers from
+  ``make_pp_layers`` (``PPMissingLayer`` outside the stage) split by ``get_pp_indices``
+  (``distributed/utils.py``: even, the last ``remainder`` stages one more; no
+  ``SGLANG_PP_LAYER_PARTITION``); the untied ``lm_head`` is built on every stage.
 
 Deviations: no forward pass (the imitation server computes its numbers from TP rank 0's
 state dict); no quantization, bitsandbytes, presharded or CPU-padding branches; the
@@ -46,6 +53,18 @@ class Group:
 
     rank_in_group: int
     world_size: int
+
+
+class PPMissingLayer(nn.Identity):
+    """A layer another pipeline stage holds: no parameters."""
+
+
+def get_pp_indices(layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
+    """``[start, end)`` of stage ``pp_rank``'s layers: an even split, the last
+    ``layers % pp_size`` stages one layer more."""
+    base, remainder = divmod(layers, pp_size)
+    start = pp_rank * base + max(0, pp_rank - (pp_size - remainder))
+    return start, start + base + (1 if pp_rank >= pp_size - remainder else 0)
 
 
 def _rank_size(group: Group | None) -> tuple[int, int]:
@@ -247,12 +266,21 @@ class _Model(nn.Module):
         kv: Group | None,
         dtype: torch.dtype,
         padding_size: int,
+        stage: Group,
     ) -> None:
         super().__init__()
         c = config
-        self.embed_tokens = VocabParallelEmbedding(c.vocab_size, c.hidden_size, group, dtype, padding_size)  # type: ignore[attr-defined]
+        first, last = stage.rank_in_group == 0, stage.rank_in_group == stage.world_size - 1
+        self.start_layer, self.end_layer = get_pp_indices(c.num_hidden_layers, stage.rank_in_group, stage.world_size)  # type: ignore[attr-defined]
+        self.embed_tokens: nn.Module = (
+            VocabParallelEmbedding(c.vocab_size, c.hidden_size, group, dtype, padding_size)  # type: ignore[attr-defined]
+            if first
+            else PPMissingLayer()
+        )
         self.layers = nn.ModuleList(
-            _Layer(
+            PPMissingLayer()
+            if not self.start_layer <= i < self.end_layer
+            else _Layer(
                 c.hidden_size,  # type: ignore[attr-defined]
                 c.intermediate_size,  # type: ignore[attr-defined]
                 c.num_attention_heads,  # type: ignore[attr-defined]
@@ -262,9 +290,9 @@ class _Model(nn.Module):
                 kv,
                 dtype,
             )
-            for _ in range(c.num_hidden_layers)  # type: ignore[attr-defined]
+            for i in range(c.num_hidden_layers)  # type: ignore[attr-defined]
         )
-        self.norm = RMSNorm(c.hidden_size, dtype)  # type: ignore[attr-defined]
+        self.norm: nn.Module = RMSNorm(c.hidden_size, dtype) if last else PPMissingLayer()  # type: ignore[attr-defined]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -272,7 +300,8 @@ class LlamaForCausalLM(nn.Module):
     attention TP size with data-parallel attention (``--enable-dp-attention``: attention
     layers over the attention TP group, rank ``tp_rank % attn_tp``, ``layers/
     dp_attention.py``), by default ``tp``. ``kv_tp``: the size of QKV's own KV group
-    (``kv_parallel_group``, rank ``tp_rank % kv_tp``), by default the query's."""
+    (``kv_parallel_group``, rank ``tp_rank % kv_tp``), by default the query's.
+    ``pp_rank`` of ``pp``: the pipeline stage (its ``pp_group``)."""
 
     def __init__(
         self,
@@ -284,15 +313,18 @@ class LlamaForCausalLM(nn.Module):
         kv_tp: int | None = None,
         dtype: torch.dtype = torch.bfloat16,
         padding_size: int = 64,
+        pp_rank: int = 0,
+        pp: int = 1,
     ) -> None:
         super().__init__()
         self.config, self.tp = config, tp
-        self.shape = {"attn_tp": attn_tp, "kv_tp": kv_tp, "padding_size": padding_size}
+        self.shape = {"attn_tp": attn_tp, "kv_tp": kv_tp, "padding_size": padding_size, "pp": pp}
+        self.pp_group = Group(pp_rank, pp)
         group = Group(rank, tp) if tp > 1 else None
         attn_tp = tp if attn_tp is None else attn_tp
         attn = Group(rank % attn_tp, attn_tp) if attn_tp > 1 else None
         kv = None if kv_tp is None else Group(rank % kv_tp, kv_tp)
-        self.model = _Model(config, group, attn, kv, dtype, padding_size)
+        self.model = _Model(config, group, attn, kv, dtype, padding_size, self.pp_group)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, group, dtype, padding_size)  # type: ignore[attr-defined]
         self.stacked_params_mapping = [
             (".qkv_proj", ".q_proj", "q"),
@@ -307,15 +339,22 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         with torch.no_grad():
             for name, loaded in weights:
+                parts = name.split(".")
+                layer = int(parts[2]) if parts[:2] == ["model", "layers"] and parts[2].isdigit() else None
+                if layer is not None and not self.model.start_layer <= layer < self.model.end_layer:
+                    continue  # another pipeline stage's
                 if "rotary_emb.inv_freq" in name:
                     continue
                 for param_name, weight_name, shard_id in self.stacked_params_mapping:
                     if weight_name in name:
                         fused = name.replace(weight_name, param_name)
-                        params[fused].weight_loader(params[fused], loaded, shard_id)  # type: ignore[attr-defined]
+                        if fused in params:
+                            params[fused].weight_loader(params[fused], loaded, shard_id)  # type: ignore[attr-defined]
                         break
                 else:
-                    param = params[name]
+                    param = params.get(name)
+                    if param is None:
+                        continue  # "Parameter ... not found in params_dict" (a warning)
                     loader = getattr(param, "weight_loader", None)
                     if loader is None:
                         param.data.copy_(loaded)  # default_weight_loader
@@ -324,10 +363,21 @@ class LlamaForCausalLM(nn.Module):
 
 
 def sglang_ranks(
-    config: object, tp: int, *, attn_tp: int | None = None, kv_tp: int | None = None, padding_size: int = 64
+    config: object,
+    tp: int,
+    *,
+    attn_tp: int | None = None,
+    kv_tp: int | None = None,
+    padding_size: int = 64,
+    pp: int = 1,
 ) -> list[LlamaForCausalLM]:
-    """The ``tp`` ranks of one engine."""
-    return [LlamaForCausalLM(config, r, tp, attn_tp=attn_tp, kv_tp=kv_tp, padding_size=padding_size) for r in range(tp)]
+    """The ``tp * pp`` ranks of one engine, stage by stage (TP rank ``r`` of stage ``s``
+    at ``s * tp + r``)."""
+    return [
+        LlamaForCausalLM(config, r, tp, attn_tp=attn_tp, kv_tp=kv_tp, padding_size=padding_size, pp_rank=s, pp=pp)
+        for s in range(pp)
+        for r in range(tp)
+    ]
 
 
 def loaded_like(ranks: list[LlamaForCausalLM], state: dict[str, torch.Tensor]) -> list[LlamaForCausalLM]:

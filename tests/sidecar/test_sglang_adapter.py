@@ -543,3 +543,103 @@ def test_tp_a_disk_reload_is_read_back_from_every_rank(tmp_path: Path, silent: b
         pub.close()
     finally:
         server.close()
+
+
+# -- pipeline parallel: every stage's TP ranks patch the layers they hold -------------------
+
+
+@pytest.fixture(params=[(1, 2), (2, 2)], ids=["pp2", "tp2-pp2"])
+def pp_server(request: pytest.FixtureRequest) -> Iterator[tuple[list[torch.nn.Module], SglangServer]]:
+    tp, pp = request.param
+    ranks: list[torch.nn.Module] = list(sglang_ranks(TP_CONFIG, tp, padding_size=6, pp=pp))
+    server = SglangServer(ranks=ranks, custom_weight_loader=[LOADER], pp_size=pp)
+    yield ranks, server
+    server.close()
+
+
+def test_pp_in_place_every_stage_holds_exactly_its_layers_after_every_version(
+    tmp_path: Path, pp_server: tuple[list[torch.nn.Module], SglangServer]
+) -> None:
+    # Stage 0: the embedding and layer 0; stage 1: layer 1 and the final norm; the untied
+    # LM head on both (SGLang builds it on every stage). Stage 1 runs each call after
+    # SGLang answered it: its replies are waited for.
+    ranks, server = pp_server
+    tp = server.tp_size
+    storage = [[p.data_ptr() for p in m.parameters()] for m in ranks]
+    sub, target = _five_versions_in_place(
+        tmp_path, server, TP_CONFIG, lambda trainer: _same_shards(ranks, _reference(trainer, ranks))
+    )
+    assert target.plan is not None and [layout.key for layout in target.plan.layouts] == [
+        f"{s}.{r}" for s in range(2) for r in range(tp)
+    ]
+    assert len(target.plan.sets["model.layers.0.mlp.down_proj.weight"]) == tp  # stage 0's alone
+    assert all(len(group) == 2 for group in target.plan.sets["lm_head.weight"])  # a replica on each stage
+    assert storage == [[p.data_ptr() for p in m.parameters()] for m in ranks]  # in place: no new tensors
+    assert server.count("/update_weights_from_disk") == 0
+    assert sub.verify().ok and server.session is None and not server.paused and server.dead is None
+    target.close()  # a restarted sidecar takes the version the stages' partials sum to
+    again = open_sglang(LocalDirTarget(tmp_path / "local", run="r"), server.url)
+    assert Subscriber(str(tmp_path / "store"), "r", target=again).current_version == 5
+    again.close()
+
+
+def test_pp_a_corrupted_rank_of_the_last_stage_refuses_the_whole_version(
+    tmp_path: Path, pp_server: tuple[list[torch.nn.Module], SglangServer]
+) -> None:
+    ranks, server = pp_server
+    tp = server.tp_size
+    target = open_sglang(LocalDirTarget(tmp_path / "local", run="r"), server.url)
+    sub, _target, pub, v1, v2 = _two_versions(tmp_path, server, target, TP_CONFIG)
+    bad = ranks[-1]
+    with torch.no_grad():  # stage 1's last rank: its shard of layer 1 is damaged
+        bad.model.layers[1].mlp.down_proj.weight.view(torch.int16)[:, :2] += 1
+    damaged = {n: t.clone() for n, t in bad.state_dict().items()}
+    with pytest.raises(WrongBase, match=f"TP rank {tp - 1} of pipeline stage 1"):
+        sub.sync()
+    assert sub.current_version == 1 and server.weight_version == "1" and not server.paused
+    reference = _reference(v1, ranks)
+    assert _same_shards(ranks[:-1], reference[:-1])  # the ranks that wrote put version 1 back
+    assert all(torch.equal(damaged[n], t) for n, t in bad.state_dict().items())  # refused before writing
+    report = sub.verify()
+    assert not report.ok and report.mismatched == ("model.layers.1.mlp.down_proj.weight",)
+    assert report.repaired_to == 1 and _same_shards(ranks, reference)
+    assert sub.sync() == 2 and _same_shards(ranks, _reference(v2, ranks))
+    assert server.dead is None and server.session is None
+    pub.close()
+
+
+def test_pp_a_stage_that_never_answers_is_an_engine_error_and_nothing_is_claimed(tmp_path: Path) -> None:
+    ranks: list[torch.nn.Module] = list(sglang_ranks(TP_CONFIG, 1, padding_size=6, pp=2))
+    server = SglangServer(ranks=ranks, custom_weight_loader=[LOADER], pp_size=2)
+    try:
+        local = LocalDirTarget(tmp_path / "local", run="r")
+        sub = Subscriber(str(tmp_path / "store"), "r", target=open_sglang(local, server.url, timeout=0.5))
+        with Publisher(str(tmp_path / "store"), "r") as pub:
+            pub.publish(llama(TP_CONFIG, 0).state_dict())
+            server.stage_lag = 2.0  # stage 1 lags past the sidecar's timeout
+            with pytest.raises(EngineError, match="TP rank 0 of pipeline stage 1 did not answer bind"):
+                sub.sync()
+        assert sub.current_version is None
+    finally:
+        server.close()
+
+
+def test_pp_a_rank_answers_only_requests_for_its_engines_stages(tmp_path: Path) -> None:
+    import base64
+    import pickle
+
+    from bulletin.engines.sglang_loader import apply, encode_requests, reply_path
+
+    stage1 = sglang_ranks(TP_CONFIG, 1, padding_size=6, pp=2)[1]
+    base = {"method": "fingerprints", "rank": 0, "ranks": 1, "reply": str(tmp_path), "body": {}}
+    cases = [
+        ({"bulletin": 1, **base}, "a request for one pipeline stage reached stage 1 of 2"),
+        ({"bulletin": 2, **base, "stages": 3, "per_stage": [{}, {}, {}]}, "request for 3 pipeline stages"),
+        ({"bulletin": 2, **base, "stages": 2, "per_stage": [{}, []]}, "part for pipeline stage 1 is not an object"),
+    ]
+    for request, message in cases:
+        (payload,) = encode_requests([request])
+        apply(stage1, pickle.loads(base64.b64decode(payload)))  # never raises
+        reply = json.loads(reply_path(tmp_path, 0, 1).read_text())  # stage 1's own file
+        assert reply["ok"] is False and message in reply["message"] and reply["stage"] == 1
+        assert not reply_path(tmp_path, 0).exists()  # stage 0's reply is never written by stage 1
