@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from bulletin.engines.rank_layout import ReplicaPlan
 from bulletin.engines.sglang import SGLangInPlaceTarget, SGLangTarget, open_sglang
 from bulletin.engines.sglang_loader import LOADER
 from bulletin.errors import ConfigError, EngineError, InvalidInput, VerificationFailed, WrongBase
@@ -453,17 +454,16 @@ def test_tp_data_parallel_attention_with_whole_heads_per_rank_is_mapped_exactly(
         server.close()
 
 
-def test_tp_in_place_every_rank_holds_exactly_its_shards_after_every_version(
-    tmp_path: Path, tp_server: tuple[list[torch.nn.Module], SglangServer]
-) -> None:
-    ranks, server = tp_server
+def _every_rank_exact_in_place(tmp_path: Path, ranks: list[torch.nn.Module], server: SglangServer) -> ReplicaPlan:
+    """Five versions synced in place, each rank's parameters what SGLang's loader puts
+    there after each, never a new tensor nor a reload; a restarted sidecar resumes the
+    last. Returns the ranks' plan."""
     storage = [[p.data_ptr() for p in m.parameters()] for m in ranks]
     sub, target = _five_versions_in_place(
         tmp_path, server, TP_CONFIG, lambda trainer: _same_shards(ranks, _reference(trainer, ranks))
     )
-    assert target.plan is not None and len(target.plan.layouts) == len(ranks)
-    if len(ranks) == 4:  # two KV heads over four ranks (or a KV group of 2): each KV piece held by two
-        assert len(target.plan.sets["model.layers.0.self_attn.k_proj.weight"]) == 2
+    plan = target.plan
+    assert plan is not None and len(plan.layouts) == len(ranks)
     assert storage == [[p.data_ptr() for p in m.parameters()] for m in ranks]  # in place: no new tensors
     assert server.count("/update_weights_from_disk") == 0
     assert sub.verify().ok and server.session is None and not server.paused and server.dead is None
@@ -471,30 +471,49 @@ def test_tp_in_place_every_rank_holds_exactly_its_shards_after_every_version(
     again = open_sglang(LocalDirTarget(tmp_path / "local", run="r"), server.url)
     assert Subscriber(str(tmp_path / "store"), "r", target=again).current_version == 5
     again.close()
+    return plan
 
 
-def test_tp_a_corrupted_rank_refuses_the_whole_version_and_every_rank_rolls_back(
+def test_tp_in_place_every_rank_holds_exactly_its_shards_after_every_version(
     tmp_path: Path, tp_server: tuple[list[torch.nn.Module], SglangServer]
 ) -> None:
     ranks, server = tp_server
+    plan = _every_rank_exact_in_place(tmp_path, ranks, server)
+    if len(ranks) == 4:  # two KV heads over four ranks (or a KV group of 2): each KV piece held by two
+        assert len(plan.sets["model.layers.0.self_attn.k_proj.weight"]) == 2
+
+
+def _a_damaged_last_rank_refuses_the_version(
+    tmp_path: Path, ranks: list[torch.nn.Module], server: SglangServer, layer: int, message: str
+) -> None:
+    """The last rank's shard of layer ``layer``'s down projection is damaged: the next
+    version is refused as a whole (``message``), every rank rolled back, the damage found
+    by the verification that follows and repaired, and the version then taken."""
     target = open_sglang(LocalDirTarget(tmp_path / "local", run="r"), server.url)
     sub, _target, pub, v1, v2 = _two_versions(tmp_path, server, target, TP_CONFIG)
     bad = ranks[-1]
-    with torch.no_grad():  # the last rank's shard of one tensor is damaged
-        bad.model.layers[0].mlp.down_proj.weight.view(torch.int16)[:, :2] += 1
+    with torch.no_grad():
+        bad.model.layers[layer].mlp.down_proj.weight.view(torch.int16)[:, :2] += 1
     damaged = {n: t.clone() for n, t in bad.state_dict().items()}
-    with pytest.raises(WrongBase, match=f"TP rank {len(ranks) - 1}"):
+    with pytest.raises(WrongBase, match=message):
         sub.sync()
     assert sub.current_version == 1 and server.weight_version == "1" and not server.paused
     reference = _reference(v1, ranks)
     assert _same_shards(ranks[:-1], reference[:-1])  # the ranks that wrote put version 1 back
     assert all(torch.equal(damaged[n], t) for n, t in bad.state_dict().items())  # refused before writing
     report = sub.verify()  # what the sidecar runs after a failed sync: the damage is found
-    assert not report.ok and report.mismatched == ("model.layers.0.mlp.down_proj.weight",)
+    assert not report.ok and report.mismatched == (f"model.layers.{layer}.mlp.down_proj.weight",)
     assert report.repaired_to == 1 and _same_shards(ranks, reference)
     assert sub.sync() == 2 and _same_shards(ranks, _reference(v2, ranks))
     assert server.dead is None and server.session is None
     pub.close()
+
+
+def test_tp_a_corrupted_rank_refuses_the_whole_version_and_every_rank_rolls_back(
+    tmp_path: Path, tp_server: tuple[list[torch.nn.Module], SglangServer]
+) -> None:
+    ranks, server = tp_server
+    _a_damaged_last_rank_refuses_the_version(tmp_path, ranks, server, 0, f"TP rank {len(ranks) - 1}")
 
 
 def test_tp_a_layout_that_cannot_be_mapped_is_refused_at_bind(tmp_path: Path) -> None:
@@ -565,47 +584,19 @@ def test_pp_in_place_every_stage_holds_exactly_its_layers_after_every_version(
     # SGLang answered it: its replies are waited for.
     ranks, server = pp_server
     tp = server.tp_size
-    storage = [[p.data_ptr() for p in m.parameters()] for m in ranks]
-    sub, target = _five_versions_in_place(
-        tmp_path, server, TP_CONFIG, lambda trainer: _same_shards(ranks, _reference(trainer, ranks))
-    )
-    assert target.plan is not None and [layout.key for layout in target.plan.layouts] == [
-        f"{s}.{r}" for s in range(2) for r in range(tp)
-    ]
-    assert len(target.plan.sets["model.layers.0.mlp.down_proj.weight"]) == tp  # stage 0's alone
-    assert all(len(group) == 2 for group in target.plan.sets["lm_head.weight"])  # a replica on each stage
-    assert storage == [[p.data_ptr() for p in m.parameters()] for m in ranks]  # in place: no new tensors
-    assert server.count("/update_weights_from_disk") == 0
-    assert sub.verify().ok and server.session is None and not server.paused and server.dead is None
-    target.close()  # a restarted sidecar takes the version the stages' partials sum to
-    again = open_sglang(LocalDirTarget(tmp_path / "local", run="r"), server.url)
-    assert Subscriber(str(tmp_path / "store"), "r", target=again).current_version == 5
-    again.close()
+    plan = _every_rank_exact_in_place(tmp_path, ranks, server)
+    assert [layout.key for layout in plan.layouts] == [f"{s}.{r}" for s in range(2) for r in range(tp)]
+    assert len(plan.sets["model.layers.0.mlp.down_proj.weight"]) == tp  # stage 0's alone
+    assert all(len(group) == 2 for group in plan.sets["lm_head.weight"])  # a replica on each stage
 
 
 def test_pp_a_corrupted_rank_of_the_last_stage_refuses_the_whole_version(
     tmp_path: Path, pp_server: tuple[list[torch.nn.Module], SglangServer]
 ) -> None:
-    ranks, server = pp_server
-    tp = server.tp_size
-    target = open_sglang(LocalDirTarget(tmp_path / "local", run="r"), server.url)
-    sub, _target, pub, v1, v2 = _two_versions(tmp_path, server, target, TP_CONFIG)
-    bad = ranks[-1]
-    with torch.no_grad():  # stage 1's last rank: its shard of layer 1 is damaged
-        bad.model.layers[1].mlp.down_proj.weight.view(torch.int16)[:, :2] += 1
-    damaged = {n: t.clone() for n, t in bad.state_dict().items()}
-    with pytest.raises(WrongBase, match=f"TP rank {tp - 1} of pipeline stage 1"):
-        sub.sync()
-    assert sub.current_version == 1 and server.weight_version == "1" and not server.paused
-    reference = _reference(v1, ranks)
-    assert _same_shards(ranks[:-1], reference[:-1])  # the ranks that wrote put version 1 back
-    assert all(torch.equal(damaged[n], t) for n, t in bad.state_dict().items())  # refused before writing
-    report = sub.verify()
-    assert not report.ok and report.mismatched == ("model.layers.1.mlp.down_proj.weight",)
-    assert report.repaired_to == 1 and _same_shards(ranks, reference)
-    assert sub.sync() == 2 and _same_shards(ranks, _reference(v2, ranks))
-    assert server.dead is None and server.session is None
-    pub.close()
+    ranks, server = pp_server  # the last stage holds layer 1
+    _a_damaged_last_rank_refuses_the_version(
+        tmp_path, ranks, server, 1, f"TP rank {server.tp_size - 1} of pipeline stage 1"
+    )
 
 
 def test_pp_a_stage_that_never_answers_is_an_engine_error_and_nothing_is_claimed(tmp_path: Path) -> None:
