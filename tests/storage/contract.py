@@ -474,18 +474,22 @@ class StoreContract(FileTransferContract):
 
     def test_an_object_over_its_bound_is_refused_unread(self, store: Store) -> None:
         store.put_if_absent("big", bytes(8 << 20))
+        bound = 4 << 20
         # Once before measuring: a client's first request of a kind may load its own
         # tables (botocore's service model, say), which is not reading the object.
         with pytest.raises(ObjectTooLarge):
-            store.get("big", max_bytes=1 << 20)
+            store.get("big", max_bytes=bound)
         tracemalloc.start()
         try:
             with pytest.raises(ObjectTooLarge, match=str(8 << 20)):
-                store.get("big", max_bytes=1 << 20)
+                store.get("big", max_bytes=bound)
             _, peak = tracemalloc.get_traced_memory()
         finally:
             tracemalloc.stop()
-        assert peak < 1 << 20  # not even the bound's worth was read
+        # Not even the bound's worth was read. (An asynchronous transport may have taken
+        # a few socket reads of the body before it was dropped: aiohttp under s3fs held
+        # 0.35-0.94 MiB here, whatever the object's size.)
+        assert peak < bound
 
     # -- conditional writes -----------------------------------------------------------
 
